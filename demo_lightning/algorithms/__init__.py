@@ -1,0 +1,13 @@
+"""Communication algorithms that attach to an optimizer, usable without Lightning."""
+
+from demo_lightning.algorithms.demo import (
+    DEFAULT_TOPK,
+    DEMO_STATE_KEY,
+    UPDATES,
+    DeMoConfig,
+    DeMoExchange,
+    ExchangeStats,
+    warn_if_stateful,
+)
+
+__all__ = ["DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "warn_if_stateful"]

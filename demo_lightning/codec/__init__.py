@@ -1,0 +1,53 @@
+"""Pure tensor code of the DeMo exchange: DCT basis, tiling, selection and wire packing.
+
+Nothing here touches ``torch.distributed``; every function is deterministic for a given input.
+"""
+
+from demo_lightning.codec.chunking import TileLayout, from_tiles, plan_tiles, to_tiles
+from demo_lightning.codec.dct import dct2, dct_basis, idct2
+from demo_lightning.codec.packing import (
+    VALUE_FORMATS,
+    ValueFormat,
+    index_bits,
+    pack_bits,
+    pack_segment,
+    quantize_values,
+    segment_nbytes,
+    unpack_bits,
+    unpack_segment,
+    values_nbytes,
+)
+from demo_lightning.codec.selection import (
+    SELECTIONS,
+    Selection,
+    coefficients_per_tile,
+    lowpass_positions,
+    select,
+    validate_strength,
+)
+
+__all__ = [
+    "SELECTIONS",
+    "VALUE_FORMATS",
+    "Selection",
+    "TileLayout",
+    "ValueFormat",
+    "coefficients_per_tile",
+    "dct2",
+    "dct_basis",
+    "from_tiles",
+    "idct2",
+    "index_bits",
+    "lowpass_positions",
+    "pack_bits",
+    "pack_segment",
+    "plan_tiles",
+    "quantize_values",
+    "segment_nbytes",
+    "select",
+    "to_tiles",
+    "unpack_bits",
+    "unpack_segment",
+    "validate_strength",
+    "values_nbytes",
+]

@@ -1,0 +1,23 @@
+"""Collectives and their byte ledger: the only place ``torch.distributed`` is called."""
+
+from demo_lightning.comm.collectives import Communicator
+from demo_lightning.comm.ledger import (
+    ByteLedger,
+    CollectiveRecord,
+    StepTraffic,
+    TagTotals,
+    ddp_bytes_per_step,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+)
+
+__all__ = [
+    "ByteLedger",
+    "CollectiveRecord",
+    "Communicator",
+    "StepTraffic",
+    "TagTotals",
+    "ddp_bytes_per_step",
+    "ring_all_gather_bytes",
+    "ring_all_reduce_bytes",
+]

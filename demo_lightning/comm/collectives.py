@@ -1,0 +1,123 @@
+"""The only module that calls ``torch.distributed`` collectives; every call goes to the ledger.
+
+Collectives follow gloo's limits so the same code runs on CPU and on NCCL: all-gathers move one
+``uint8`` buffer of equal size on every rank (gloo aborts on unequal sizes and has no int16), and
+averages are SUM followed by a division (gloo has no ``ReduceOp.AVG``).
+
+With a world of one (or no initialised process group) every collective is the identity; the
+ledger still records the payload (its modeled wire bytes are zero).
+
+Failure: a collective that does not complete raises on every rank after the process group's
+timeout (set it with the strategy's ``timeout``); nothing here retries.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from demo_lightning.comm.ledger import ByteLedger
+
+__all__ = ["Communicator"]
+
+
+class Communicator:
+    """Collectives over one process group, each recorded in a :class:`ByteLedger`.
+
+    Args:
+        group: the process group (``None``: the default group, if initialised).
+        ledger: where to record; a new ledger for this rank by default.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, ledger: Optional[ByteLedger] = None) -> None:
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.ledger = ledger if ledger is not None else ByteLedger(rank=self.rank)
+        self.ledger.rank = self.rank
+
+    @property
+    def active(self) -> bool:
+        """Whether collectives actually cross processes."""
+        return self.distributed and self.world_size > 1
+
+    def all_gather_bytes(self, buffer: Tensor, tag: str) -> list[Tensor]:
+        """All-gather one ``uint8`` buffer of the same size on every rank; returns them in rank order."""
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise ValueError(f"all_gather_bytes expects a 1-D uint8 buffer, got {buffer.dtype} {tuple(buffer.shape)}")
+        self.ledger.record("all_gather", tag, buffer.numel(), self.world_size)
+        if not self.active:
+            return [buffer]
+        out = [torch.empty_like(buffer) for _ in range(self.world_size)]
+        dist.all_gather(out, buffer.contiguous(), group=self.group)
+        return out
+
+    def all_reduce_sum_(self, tensor: Tensor, tag: str) -> Tensor:
+        """Sum ``tensor`` over ranks in place (bitwise identical on every rank) and return it."""
+        self.ledger.record("all_reduce", tag, tensor.numel() * tensor.element_size(), self.world_size)
+        if self.active:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def broadcast_(self, tensor: Tensor, tag: str, src: int = 0) -> Tensor:
+        """Overwrite ``tensor`` with rank ``src``'s copy, in place."""
+        self.ledger.record("broadcast", tag, tensor.numel() * tensor.element_size(), self.world_size, root=src)
+        if self.active:
+            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
+        return tensor
+
+    def broadcast_tensors_(self, tensors: list[Tensor], tag: str, src: int = 0) -> None:
+        """Overwrite every tensor with rank ``src``'s copy: one flat broadcast per dtype and device."""
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for group in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.broadcast_(flat, tag, src=src)
+            for t, part in zip(group, torch.split(flat, [t.numel() for t in group])):
+                t.data.copy_(part.view_as(t))
+
+    def all_gather_object(self, obj: Any, tag: str) -> list[Any]:
+        """Gather a picklable object (tensors allowed) from every rank, in rank order.
+
+        Sizes are exchanged first (8 bytes each), then every rank's serialised bytes are padded to
+        the largest and all-gathered; both collectives are recorded.
+        """
+        stream = io.BytesIO()
+        torch.save(obj, stream)
+        payload = torch.frombuffer(bytearray(stream.getvalue()), dtype=torch.uint8)
+        if not self.active:
+            self.ledger.record("all_gather", tag, payload.numel(), self.world_size)
+            return [obj]
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = self.all_gather_bytes(size.view(torch.uint8), tag + "/sizes")
+        lengths = [int(s.view(torch.int64).item()) for s in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = self.all_gather_bytes(padded, tag)
+        return [
+            torch.load(io.BytesIO(g[:n].numpy().tobytes()), weights_only=True, map_location="cpu")
+            for g, n in zip(gathered, lengths)
+        ]
+
+    def check_same(self, values: list[int], tag: str, what: str) -> None:
+        """Raise ``RuntimeError`` on every rank if ``values`` (e.g. a model fingerprint) differ across ranks."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        gathered = self.all_gather_bytes(mine.view(torch.uint8), tag)
+        rows = [g.view(torch.int64) for g in gathered]
+        bad = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
+        if bad:
+            raise RuntimeError(
+                f"{what} differs between rank 0 and rank(s) {bad}; every rank must build the same model "
+                "with the same trainable parameters in the same order"
+            )
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)

@@ -1,0 +1,164 @@
+"""The byte ledger: every collective's payload and its modeled traffic on the wire.
+
+Wire models (per worker, for ``W`` workers, payload ``P`` bytes handed in by each worker):
+
+* ring all-gather: each worker sends and receives ``(W - 1) * P``;
+* ring all-reduce of ``N`` bytes: each worker sends and receives ``2 * (W - 1) / W * N``
+  (reduce-scatter, then all-gather);
+* broadcast of ``N`` bytes along a ring from the root: every worker but the last forwards ``N``,
+  every worker but the root receives ``N``.
+
+The DDP baseline is what Lightning's ``DDPStrategy`` moves for the same model: an fp32 ring
+all-reduce of every trainable parameter's gradient per optimizer step,
+``2 * (W - 1) / W * 4 * n_trainable`` bytes per worker. The ratio reported is
+``DDP bytes sent / our bytes sent`` (``100`` means 100x fewer bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "CollectiveRecord",
+    "ByteLedger",
+    "StepTraffic",
+    "TagTotals",
+    "ddp_bytes_per_step",
+    "ring_all_gather_bytes",
+    "ring_all_reduce_bytes",
+]
+
+CollectiveOp = Literal["all_gather", "all_reduce", "broadcast"]
+
+
+def ring_all_gather_bytes(payload_bytes: int, world_size: int) -> float:
+    """Bytes each worker sends (and receives) in a ring all-gather of ``payload_bytes`` per worker."""
+    return float((world_size - 1) * payload_bytes)
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
+    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``."""
+    return 2.0 * (world_size - 1) / world_size * nbytes
+
+
+def ddp_bytes_per_step(n_trainable: int, world_size: int, grad_bytes: int = 4) -> float:
+    """Bytes per worker per optimizer step of DDP's gradient all-reduce (fp32 by default)."""
+    return ring_all_reduce_bytes(n_trainable * grad_bytes, world_size)
+
+
+def _modeled(op: CollectiveOp, payload_bytes: int, world_size: int, rank: int, root: int) -> tuple[float, float]:
+    if world_size <= 1:
+        return 0.0, 0.0
+    if op == "all_gather":
+        both = ring_all_gather_bytes(payload_bytes, world_size)
+        return both, both
+    if op == "all_reduce":
+        both = ring_all_reduce_bytes(payload_bytes, world_size)
+        return both, both
+    last = (root - 1) % world_size
+    sent = 0.0 if rank == last else float(payload_bytes)
+    received = 0.0 if rank == root else float(payload_bytes)
+    return sent, received
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective call as this worker saw it."""
+
+    op: CollectiveOp
+    tag: str
+    payload_bytes: int
+    sent_bytes: float
+    received_bytes: float
+    world_size: int
+
+
+@dataclass
+class TagTotals:
+    """Cumulative totals of one tag."""
+
+    calls: int = 0
+    payload_bytes: int = 0
+    sent_bytes: float = 0.0
+    received_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Traffic of one optimizer step on this worker, with the DDP baseline for the same model."""
+
+    sent_bytes: float
+    received_bytes: float
+    payload_bytes: int
+    calls: int
+    ddp_bytes: float
+
+    @property
+    def ratio_vs_ddp(self) -> float:
+        """How many times fewer bytes than DDP this step sent (1 when neither sends anything)."""
+        return _ratio(self.ddp_bytes, self.sent_bytes)
+
+
+def _ratio(ddp_bytes: float, sent_bytes: float) -> float:
+    if sent_bytes > 0:
+        return ddp_bytes / sent_bytes
+    return 1.0 if ddp_bytes == 0 else float("inf")
+
+
+@dataclass
+class ByteLedger:
+    """Records every collective; keeps cumulative totals per tag and the records of the open step.
+
+    ``begin_step`` / ``end_step`` bracket the collectives of one optimizer step; collectives outside
+    a step (the initial broadcast, checkpoint gathers) only count in the cumulative totals.
+    """
+
+    rank: int = 0
+    totals: dict[str, TagTotals] = field(default_factory=dict)
+    step_records: list[CollectiveRecord] = field(default_factory=list)
+    last_step: StepTraffic | None = None
+    steps: int = 0
+    _in_step: bool = False
+
+    def record(self, op: CollectiveOp, tag: str, payload_bytes: int, world_size: int, root: int = 0) -> CollectiveRecord:
+        """Record one collective of ``payload_bytes`` handed in by this worker."""
+        sent, received = _modeled(op, payload_bytes, world_size, self.rank, root)
+        rec = CollectiveRecord(op, tag, int(payload_bytes), sent, received, world_size)
+        totals = self.totals.setdefault(tag, TagTotals())
+        totals.calls += 1
+        totals.payload_bytes += rec.payload_bytes
+        totals.sent_bytes += sent
+        totals.received_bytes += received
+        if self._in_step:
+            self.step_records.append(rec)
+        return rec
+
+    def begin_step(self) -> None:
+        self.step_records = []
+        self._in_step = True
+
+    def end_step(self, ddp_bytes: float) -> StepTraffic:
+        """Close the open step; ``ddp_bytes`` is DDP's traffic for the same step (for the ratio)."""
+        self._in_step = False
+        self.steps += 1
+        self.last_step = StepTraffic(
+            sent_bytes=sum(r.sent_bytes for r in self.step_records),
+            received_bytes=sum(r.received_bytes for r in self.step_records),
+            payload_bytes=sum(r.payload_bytes for r in self.step_records),
+            calls=len(self.step_records),
+            ddp_bytes=ddp_bytes,
+        )
+        return self.last_step
+
+    @property
+    def total_sent_bytes(self) -> float:
+        return sum(t.sent_bytes for t in self.totals.values())
+
+    @property
+    def total_received_bytes(self) -> float:
+        return sum(t.received_bytes for t in self.totals.values())
+
+    @property
+    def total_payload_bytes(self) -> int:
+        return sum(t.payload_bytes for t in self.totals.values())
