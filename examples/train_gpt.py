@@ -1,0 +1,137 @@
+"""Main job: a small byte-level GPT on the Python standard library's sources, with strategy="demo".
+
+    python examples/train_gpt.py                      # DeMo, 2 CPU processes, ~300 steps
+    python examples/train_gpt.py --strategy ddp --optimizer adamw --lr 3e-3   # the DDP baseline
+
+Logs to TensorBoard under --log-dir and ends with a summary (validation loss, bytes per step,
+ratio vs DDP, the exchange's share of step time); --summary-json also writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import demo_lightning
+from demo_lightning.comm import ddp_bytes_per_step
+from demo_lightning.data import TextDataModule
+from demo_lightning.models import GPTLightningModule
+
+
+class StepTimer(pl.Callback):
+    """Wall time of each training batch (forward, backward, exchange and update)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", choices=["demo", "ddp"], default="demo")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=192)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default=None, help="default: sgd for demo, adamw for ddp")
+    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 (demo, sign update) or 3e-3 (adamw)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--topk", type=int, default=None)
+    p.add_argument("--keep-ratio", type=float, default=None)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--decay", type=float, default=0.999)
+    p.add_argument("--value-format", default="bf16")
+    p.add_argument("--selection", default="topk")
+    p.add_argument("--update", default="sign")
+    p.add_argument("--data-path", default=None, help="your own text file or folder (default: the stdlib sources)")
+    p.add_argument("--max-bytes", type=int, default=8_000_000)
+    p.add_argument("--val-check-interval", type=int, default=100)
+    p.add_argument("--log-dir", default="runs")
+    p.add_argument("--name", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--summary-json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(1) if args.devices > 1 else None
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    optimizer = args.optimizer or ("sgd" if args.strategy == "demo" else "adamw")
+    lr = args.lr if args.lr is not None else 3e-3
+    model = GPTLightningModule(
+        block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, optimizer=optimizer,
+        lr=lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
+    )
+    data = TextDataModule(path=args.data_path, block_size=args.block_size, batch_size=args.batch_size, max_bytes=args.max_bytes)
+    if args.strategy == "demo":
+        strategy: Any = demo_lightning.DeMoStrategy(
+            chunk=args.chunk, topk=args.topk, keep_ratio=args.keep_ratio, decay=args.decay,
+            selection=args.selection, value_format=args.value_format, update=args.update,
+        )
+    else:
+        strategy = "ddp"
+    name = args.name or f"gpt_{args.strategy}"
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+        val_check_interval=args.val_check_interval, check_val_every_n_epoch=None, limit_val_batches=1.0,
+        logger=TensorBoardLogger(args.log_dir, name=name), callbacks=[timer],
+        enable_checkpointing=False, log_every_n_steps=10, enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=data)
+    val_loss = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"])
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    world = trainer.world_size
+    ddp_bytes = ddp_bytes_per_step(n_trainable, world)
+    steps = timer.seconds[1:] or timer.seconds
+    step_time = sum(steps) / max(1, len(steps))
+    summary: dict[str, Any] = {
+        "strategy": args.strategy, "optimizer": optimizer, "lr": lr, "world_size": world, "steps": trainer.global_step,
+        "n_trainable": n_trainable, "final_val_loss": val_loss, "step_time_s": step_time,
+        "ddp_bytes_per_step": ddp_bytes,
+    }
+    if isinstance(trainer.strategy, demo_lightning.DeMoStrategy):
+        stats = trainer.strategy.last_stats
+        assert stats is not None
+        summary.update(
+            bytes_sent_per_step=stats.sent_bytes, bytes_received_per_step=stats.received_bytes,
+            ratio_vs_ddp=stats.ratio_vs_ddp, exchange_share=stats.total_seconds / max(1e-12, sum(timer.seconds)),
+            exchange_comm_share=stats.total_comm_seconds / max(1e-12, sum(timer.seconds)),
+            config=vars(trainer.strategy.demo_config),
+        )
+    else:
+        summary.update(bytes_sent_per_step=ddp_bytes, bytes_received_per_step=ddp_bytes, ratio_vs_ddp=1.0)
+    if trainer.is_global_zero:
+        print(f"\n== {name}: {world} workers, {trainer.global_step} optimizer steps, {n_trainable:,} parameters ==")
+        print(f"validation loss          {val_loss:.4f} nats/byte")
+        print(f"bytes sent per step      {summary['bytes_sent_per_step']:,.0f} per worker (DDP: {ddp_bytes:,.0f})")
+        print(f"ratio vs DDP             {summary['ratio_vs_ddp']:.1f}x fewer bytes")
+        print(f"step time                {step_time * 1000:.1f} ms")
+        if "exchange_share" in summary:
+            print(f"exchange share of step   {100 * summary['exchange_share']:.1f} % (collectives {100 * summary['exchange_comm_share']:.1f} %)")
+        print(f"TensorBoard              tensorboard --logdir {args.log_dir}")
+        if args.summary_json:
+            Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.summary_json).write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

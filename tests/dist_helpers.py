@@ -1,0 +1,90 @@
+"""Run a function on several real processes with a gloo process group, under a hard timeout.
+
+Each worker gets a fresh process (spawn), its own process group on a free loopback port, one
+CPU thread, and always destroys its group. A worker that raises makes the call fail with its
+traceback; workers still alive at the deadline are killed and the call raises ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_LEAKY_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without the variables that make Lightning think it was launched externally."""
+    env = {k: v for k, v in os.environ.items() if k not in _LEAKY_ENV and not k.startswith(("PL_", "TORCHELASTIC"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def _entry(target: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple, timeout_s: float) -> None:
+    for key in _LEAKY_ENV:
+        os.environ.pop(key, None)
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        result = target(rank, world_size, *args)
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(target: Callable[..., Any], world_size: int, out_dir: Path, *args: Any, timeout: float = 120.0, collective_timeout: float = 60.0) -> list[Any]:
+    """Run ``target(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(target, rank, world_size, port, str(out_dir), args, collective_timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    errors = {rank: (out_dir / f"rank{rank}.err").read_text() for rank in range(world_size) if (out_dir / f"rank{rank}.err").exists()}
+    if errors:
+        raise AssertionError("worker(s) failed:\n" + "\n".join(f"--- rank {r}\n{e}" for r, e in errors.items()))
+    if alive:
+        raise TimeoutError(f"rank(s) {alive} still running after {timeout} s (deadlock or desynchronised collectives?)")
+    bad = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode != 0}
+    if bad:
+        raise AssertionError(f"worker exit codes {bad}")
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]

@@ -1,0 +1,90 @@
+"""A real multi-process Lightning fit with strategy="demo", driven by the tests in a subprocess.
+
+Lightning's default launcher re-runs this script for every local rank; each rank writes
+``rank{R}.pt`` into ``--out`` with per-step parameter and momentum hashes, per-step losses, the
+logged comm metrics and its final tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+import demo_lightning
+from demo_lightning.algorithms import DEMO_STATE_KEY
+from demo_lightning.data import TextDataModule
+from demo_lightning.models import GPTLightningModule
+
+from dist_helpers import tensor_hash
+
+
+class Recorder(pl.Callback):
+    def __init__(self) -> None:
+        self.param_hashes: list[list[str]] = []
+        self.momentum_hashes: list[list[str]] = []
+        self.losses: list[float] = []
+        self.comm: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        opt = trainer.optimizers[0]
+        self.param_hashes.append([tensor_hash(p) for p in pl_module.parameters()])
+        self.momentum_hashes.append(
+            [tensor_hash(opt.state[p][DEMO_STATE_KEY]) for p in pl_module.parameters() if DEMO_STATE_KEY in opt.state[p]]
+        )
+        self.losses.append(float(outputs["loss"]))
+        self.comm.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-epochs", type=int, default=1)
+    p.add_argument("--max-bytes", type=int, default=60_000)
+    p.add_argument("--ckpt-in", default=None)
+    p.add_argument("--ckpt-out", default=None)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--strategy-json", default="{}")
+    p.add_argument("--optimizer", default="sgd")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=args.optimizer, lr=1e-2, warmup_steps=2, max_steps=100)
+    data = TextDataModule(block_size=32, batch_size=8, max_bytes=args.max_bytes, max_val_bytes=2_000)
+    strategy = demo_lightning.DeMoStrategy(timeout=60, dense_below=100, **json.loads(args.strategy_json))
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.max_epochs,
+        precision=args.precision, accumulate_grad_batches=args.accumulate, callbacks=[recorder],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=args.ckpt_in)
+    if args.ckpt_out:
+        trainer.save_checkpoint(args.ckpt_out)
+    opt = trainer.optimizers[0]
+    stats = trainer.strategy.last_stats
+    result = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "exchanges": stats.steps if stats else 0,
+        "param_hashes": recorder.param_hashes,
+        "momentum_hashes": recorder.momentum_hashes,
+        "losses": recorder.losses,
+        "comm": recorder.comm,
+        "params": {n: t.detach().clone() for n, t in model.named_parameters()},
+        "momenta": {i: opt.state[q][DEMO_STATE_KEY].clone() for i, q in enumerate(model.parameters()) if DEMO_STATE_KEY in opt.state[q]},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Codec oracles: scipy's DCT, orthonormality, exact round trips, lossless top-k, exact packing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+
+from demo_lightning.codec import (
+    VALUE_FORMATS,
+    coefficients_per_tile,
+    dct2,
+    dct_basis,
+    from_tiles,
+    idct2,
+    index_bits,
+    lowpass_positions,
+    pack_bits,
+    pack_segment,
+    plan_tiles,
+    quantize_values,
+    segment_nbytes,
+    select,
+    to_tiles,
+    unpack_bits,
+    unpack_segment,
+)
+
+SHAPES = [(), (1,), (7,), (64,), (127,), (3, 5), (64, 64), (127, 131), (128, 192), (5, 3, 3, 3), (2, 3, 4, 5, 6)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16, 64, 97])
+def test_basis_matches_scipy_dct_ortho(n: int) -> None:
+    # column j of the DCT-II matrix is the transform of the j-th unit vector
+    expected = scipy.fft.dct(np.eye(n), norm="ortho", axis=0)
+    np.testing.assert_allclose(dct_basis(n, torch.float64).numpy(), expected, rtol=0, atol=1e-13)
+
+
+def test_basis_golden_values_and_orthonormality() -> None:
+    np.testing.assert_allclose(dct_basis(4, torch.float64)[:, 0].numpy(), [0.5, 0.6532815, 0.5, 0.2705981], atol=1e-7)
+    for n in (1, 5, 64):
+        c = dct_basis(n, torch.float64)
+        torch.testing.assert_close(c @ c.T, torch.eye(n, dtype=torch.float64), rtol=0, atol=1e-13)
+
+
+def test_basis_is_cached_per_size_dtype_device() -> None:
+    assert dct_basis(8) is dct_basis(8)
+    assert dct_basis(8, torch.float64) is not dct_basis(8)
+    assert dct_basis(8).dtype == torch.float32 and dct_basis(8, torch.float64).dtype == torch.float64
+    with pytest.raises(ValueError, match="size"):
+        dct_basis(0)
+
+
+def test_dct2_matches_scipy_dctn() -> None:
+    tiles = torch.randn(3, 8, 5, dtype=torch.float64)
+    expected = np.stack([scipy.fft.dctn(t.numpy(), norm="ortho") for t in tiles])
+    np.testing.assert_allclose(dct2(tiles).numpy(), expected, atol=1e-12)
+    torch.testing.assert_close(idct2(dct2(tiles)), tiles, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiling_round_trip_every_shape_class(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, dtype=torch.float64)
+    layout = plan_tiles(x.shape, chunk=64)
+    tiles = to_tiles(x, layout)
+    assert tiles.shape == (layout.n_tiles, layout.tile_rows, layout.tile_cols)
+    assert torch.equal(from_tiles(tiles, layout), x)
+    torch.testing.assert_close(from_tiles(idct2(dct2(tiles)), layout), x, rtol=0, atol=1e-12)
+
+
+def test_prime_and_nd_sizes_pad_instead_of_degenerating() -> None:
+    prime = plan_tiles((127,), 64)
+    assert (prime.tile_rows, prime.tile_cols, prime.padded_cols, prime.n_tiles) == (1, 64, 128, 2)
+    matrix = plan_tiles((127, 131), 64)
+    assert matrix.tile_shape == (64, 64) and (matrix.padded_rows, matrix.padded_cols) == (128, 192)
+    conv = plan_tiles((64, 32, 3, 3), 64)
+    assert (conv.rows, conv.cols, conv.tile_shape) == (64, 288, (64, 64))
+    small = plan_tiles((3, 5), 64)
+    assert small.tile_shape == (3, 5) and small.n_tiles == 1
+    scalar = plan_tiles((), 64)
+    assert scalar.tile_shape == (1, 1)
+
+
+def test_padding_is_zero_and_cropped() -> None:
+    x = torch.ones(127)
+    layout = plan_tiles(x.shape, 64)
+    tiles = to_tiles(x, layout)
+    assert tiles.reshape(-1)[127:].abs().sum() == 0
+    assert from_tiles(tiles, layout).shape == (127,)
+
+
+@pytest.mark.parametrize("shape", [(127,), (64, 64), (100, 70), (6, 4, 3, 3)])
+def test_topk_with_k_equal_tile_size_is_lossless(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, dtype=torch.float64)
+    layout = plan_tiles(x.shape, 64)
+    coeffs = dct2(to_tiles(x, layout))
+    positions, values = select(coeffs, layout.tile_numel, "topk")
+    rebuilt = torch.zeros_like(coeffs).view(coeffs.shape[0], -1).scatter_(1, positions, values)
+    torch.testing.assert_close(from_tiles(idct2(rebuilt.view_as(coeffs)), layout), x, rtol=0, atol=1e-12)
+
+
+def test_topk_selects_largest_magnitudes() -> None:
+    coeffs = torch.tensor([[[0.1, -5.0], [3.0, 0.2]]])
+    positions, values = select(coeffs, 2, "topk")
+    assert sorted(positions[0].tolist()) == [1, 2]
+    assert sorted(values[0].tolist()) == [-5.0, 3.0]
+
+
+def test_lowpass_takes_lowest_frequencies_in_fixed_order() -> None:
+    assert lowpass_positions(4, 4, 3).tolist() == [0, 1, 4]  # (0,0), (0,1), (1,0)
+    assert lowpass_positions(1, 64, 5).tolist() == [0, 1, 2, 3, 4]
+    coeffs = torch.randn(2, 4, 4)
+    positions, values = select(coeffs, 3, "lowpass")
+    assert positions.tolist() == [[0, 1, 4], [0, 1, 4]]
+    assert torch.equal(values, coeffs.reshape(2, 16)[:, [0, 1, 4]])
+
+
+def test_strength_topk_or_keep_ratio() -> None:
+    assert coefficients_per_tile(4096, 32, None) == 32
+    assert coefficients_per_tile(64, 100, None) == 64
+    assert coefficients_per_tile(4096, None, 1 / 128) == 32
+    assert coefficients_per_tile(64, None, 0.001) == 1
+    assert coefficients_per_tile(10, None, 1.0) == 10
+    with pytest.raises(ValueError, match="not both"):
+        coefficients_per_tile(64, 4, 0.5)
+    with pytest.raises(ValueError, match="topk"):
+        coefficients_per_tile(64, 0, None)
+    with pytest.raises(ValueError, match="keep_ratio"):
+        coefficients_per_tile(64, None, 1.5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 7, 8, 12, 13, 16, 17, 31, 32])
+def test_pack_bits_round_trip(bits: int) -> None:
+    values = torch.randint(0, 2**bits, (1001,), dtype=torch.int64)
+    packed = pack_bits(values, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(1001 * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, 1001), values)
+
+
+def test_index_width_is_the_narrowest_that_holds_the_tile() -> None:
+    assert [index_bits(n) for n in (1, 2, 3, 4, 64, 65, 4096, 4097)] == [1, 1, 2, 2, 6, 7, 12, 13]
+
+
+@pytest.mark.parametrize("value_format", VALUE_FORMATS)
+@pytest.mark.parametrize("tile_numel", [1, 3, 64, 4096, 65536, 2**20])
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_pack_unpack_is_exact(value_format: str, tile_numel: int, with_positions: bool) -> None:
+    n_tiles, k = 7, min(5, tile_numel)
+    values = torch.randn(n_tiles, k) * 10
+    positions = torch.randint(0, tile_numel, (n_tiles, k))
+    buf, decoded = pack_segment(positions if with_positions else None, values, tile_numel, value_format)
+    assert buf.dtype == torch.uint8 and buf.numel() == segment_nbytes(n_tiles, k, tile_numel, value_format, with_positions)
+    got_positions, got_values = unpack_segment(buf, n_tiles, k, tile_numel, value_format, with_positions)
+    assert torch.equal(got_values, decoded)
+    assert torch.equal(decoded, quantize_values(values, value_format))
+    if with_positions:
+        assert torch.equal(got_positions, positions)
+    else:
+        assert got_positions is None
+
+
+def test_lossless_formats_are_exact_for_their_own_data() -> None:
+    values = torch.randn(4, 6)
+    assert torch.equal(quantize_values(values, "fp32"), values)
+    narrow = values.to(torch.bfloat16).float()
+    assert torch.equal(quantize_values(narrow, "bf16"), narrow)
+    half = values.to(torch.float16).float()
+    assert torch.equal(quantize_values(half, "fp16"), half)
+
+
+def test_lossy_formats_error_bounds() -> None:
+    values = torch.randn(16, 32)
+    int8 = quantize_values(values, "int8")
+    step = values.abs().amax(dim=1, keepdim=True) / 127
+    assert bool(((int8 - values).abs() <= step / 2 + 1e-6).all())
+    sign = quantize_values(values, "sign")
+    torch.testing.assert_close(sign.abs(), values.abs().mean(dim=1, keepdim=True).expand_as(sign))
+    assert bool((torch.sign(sign) == torch.where(values >= 0, 1.0, -1.0)).all())
+    zeros = quantize_values(torch.zeros(2, 3), "int8")
+    assert torch.equal(zeros, torch.zeros(2, 3))
+
+
+def test_bytes_per_coefficient() -> None:
+    # 12-bit positions + bf16 values: 3.5 bytes per coefficient (the reference: int64 + fp32 = 12)
+    assert segment_nbytes(1000, 32, 4096, "bf16", True) == 1000 * 32 * 3.5
+    assert segment_nbytes(1000, 32, 4096, "sign", True) == 1000 * (32 * 12 // 8 + 4 + 4)
+    assert segment_nbytes(10, 32, 4096, "int8", False) == 10 * (4 + 32)
+
+
+def test_bad_value_format_is_named() -> None:
+    with pytest.raises(ValueError, match="value_format"):
+        quantize_values(torch.zeros(1, 1), "fp8")

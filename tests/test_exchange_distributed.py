@@ -1,0 +1,143 @@
+"""The DeMo exchange on real processes (gloo): replicas, oracles, byte accounting, awkward models."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange
+from demo_lightning.codec import segment_nbytes
+from demo_lightning.comm import Communicator
+
+from dist_helpers import run_workers, tensor_hash
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class _Net(nn.Module):
+    """2-D weights with sides that are multiples of 64, a prime-sized one, a conv, small dense tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(128, 67)
+        self.conv = nn.Conv1d(4, 8, 3)
+        self.side = nn.Linear(64, 64, bias=False)  # used only on rank 0 when branch=True
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        out = self.b(h).sum() + self.conv(x.view(x.shape[0], 4, 16)).sum()
+        if branch:
+            out = out + self.side(x).pow(2).sum()
+        return out
+
+
+def _train(rank: int, world: int, steps: int, same_data: bool, config: dict, branch_rank0: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    exchange = DeMoExchange(opt, DeMoConfig(**config), Communicator())
+    param_hashes, momentum_hashes = [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + (0 if same_data else rank))
+        x = torch.randn(8, 64, generator=gen)
+        opt.zero_grad()
+        model(x, branch=branch_rank0 and rank == 0).backward()
+        exchange.step()
+        opt.step()
+        param_hashes.append([tensor_hash(p) for p in model.parameters()])
+        momentum_hashes.append([tensor_hash(opt.state[p][DEMO_STATE_KEY]) for p in model.parameters()])
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "param_hashes": param_hashes,
+        "momentum_hashes": momentum_hashes,
+        "payload": exchange.comm.ledger.total_payload_bytes,
+        "sent": exchange.comm.ledger.total_sent_bytes,
+        "last_step": exchange.comm.ledger.last_step,
+    }
+
+
+CONFIGS = {
+    "topk-bf16": {"topk": 8, "dense_below": 100},
+    "topk-int8": {"topk": 8, "dense_below": 100, "value_format": "int8"},
+    "topk-sign": {"keep_ratio": 0.05, "dense_below": 100, "value_format": "sign", "update": "raw"},
+    "lowpass-fp32": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "fp32"},
+    "lowpass-int8": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "int8"},
+}
+
+
+@pytest.mark.parametrize("name", ["topk-bf16", "lowpass-fp32"])
+def test_two_ranks_with_identical_data_equal_one_rank_bitwise(tmp_path: Path, name: str) -> None:
+    one = run_workers(_train, 1, tmp_path / "w1", 4, True, CONFIGS[name])[0]
+    two = run_workers(_train, 2, tmp_path / "w2", 4, True, CONFIGS[name])
+    for result in two:
+        for p1, p2 in zip(one["params"], result["params"]):
+            assert torch.equal(p1, p2)
+        assert result["momentum_hashes"] == one["momentum_hashes"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_replicas_stay_bitwise_identical_while_momenta_differ(tmp_path: Path, name: str) -> None:
+    ranks = run_workers(_train, 2, tmp_path, 4, False, CONFIGS[name])
+    assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]  # after every step
+    # negative control: with different data the local momenta (residuals) differ
+    assert ranks[0]["momentum_hashes"][-1] != ranks[1]["momentum_hashes"][-1]
+
+
+def test_branch_used_on_one_rank_only_completes_in_sync(tmp_path: Path) -> None:
+    ranks = run_workers(_train, 2, tmp_path, 3, False, CONFIGS["topk-bf16"], True, timeout=120)
+    assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
+    side_before = _Net().side.weight  # the seed-0 init
+    assert not torch.equal(ranks[1]["params"][-1], side_before)  # rank 1 moved it too (shared update)
+
+
+def _count_collective_bytes(rank: int, world: int, steps: int, config: dict) -> dict[str, Any]:
+    handed: list[int] = []
+    real_gather, real_reduce = dist.all_gather, dist.all_reduce
+
+    def gather(out: list, tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+        handed.append(tensor.numel() * tensor.element_size())
+        return real_gather(out, tensor, *a, **k)
+
+    def reduce(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+        handed.append(tensor.numel() * tensor.element_size())
+        return real_reduce(tensor, *a, **k)
+
+    dist.all_gather, dist.all_reduce = gather, reduce
+    try:
+        torch.manual_seed(0)
+        w1, w2 = nn.Parameter(torch.randn(128, 192)), nn.Parameter(torch.randn(64, 64))
+        bias = nn.Parameter(torch.randn(50))
+        opt = torch.optim.SGD([w1, w2, bias], lr=0.01)
+        comm = Communicator()
+        exchange = DeMoExchange(opt, DeMoConfig(**config), comm)
+        for _ in range(steps):
+            for p in (w1, w2, bias):
+                p.grad = torch.randn_like(p)
+            exchange.step()
+        return {"handed": sum(handed), "ledger_payload": comm.ledger.total_payload_bytes, "last": comm.ledger.last_step}
+    finally:
+        dist.all_gather, dist.all_reduce = real_gather, real_reduce
+
+
+def test_ledger_equals_bytes_handed_to_collectives_and_the_formula(tmp_path: Path) -> None:
+    config = {"topk": 32, "dense_below": 100, "value_format": "bf16"}
+    ranks = run_workers(_count_collective_bytes, 2, tmp_path, 3, config)
+    # closed form: 2-D tensors in 64x64 tiles, k=32, 12-bit positions + bf16 values; bias: fp32 all-reduce
+    n_2d = 128 * 192 + 64 * 64
+    topk_payload = n_2d // 4096 * (math.ceil(32 * 12 / 8) + 32 * 2)
+    dense_payload = 50 * 4
+    assert topk_payload == segment_nbytes(n_2d // 4096, 32, 4096, "bf16", True)
+    for r in ranks:
+        assert r["ledger_payload"] == r["handed"]  # every byte handed to a collective is in the ledger
+        last = r["last"]
+        assert last.payload_bytes == topk_payload + dense_payload
+        assert last.sent_bytes == (2 - 1) * topk_payload + 2 * (2 - 1) / 2 * dense_payload
+        assert last.ddp_bytes == 2 * (2 - 1) / 2 * 4 * (n_2d + 50)
+        assert last.ratio_vs_ddp == pytest.approx(last.ddp_bytes / last.sent_bytes)

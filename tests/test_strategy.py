@@ -1,0 +1,170 @@
+"""Trainer(strategy="demo"): registration, arguments, precision, and real 2-process Lightning fits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import demo_lightning
+from demo_lightning import DeMoStrategy
+
+from dist_helpers import clean_env, free_port
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def isolated_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """In-process fits init a process group and set rank variables; undo both afterwards."""
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for key in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        os.environ.pop(key, None)
+
+
+class _Classifier(pl.LightningModule):
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+        self.optimizer = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(64, 64, generator=g), torch.randint(0, 4, (64,), generator=g)), batch_size=16)
+
+
+def _trainer(**kwargs: Any) -> pl.Trainer:
+    base = dict(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(**{**base, **kwargs})
+
+
+def test_registered_name_builds_the_strategy() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "demo" in StrategyRegistry
+    trainer = _trainer(strategy="demo")
+    assert isinstance(trainer.strategy, DeMoStrategy)
+    assert trainer.strategy.demo_config.strength == (32, None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"topk": 0}, "topk"),
+        ({"keep_ratio": 1.2}, "keep_ratio"),
+        ({"keep_ratio": 0.0}, "keep_ratio"),
+        ({"topk": 8, "keep_ratio": 0.1}, "not both"),
+        ({"decay": 1.0}, "decay"),
+        ({"decay": -0.5}, "decay"),
+        ({"value_format": "fp4"}, "value_format"),
+        ({"selection": "random"}, "selection"),
+        ({"update": "nesterov"}, "update"),
+        ({"timeout": 0}, "timeout"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        DeMoStrategy(**kwargs)
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+def test_single_device_fit_logs_comm_metrics_and_keeps_momentum_in_optimizer_state() -> None:
+    model = _Classifier("adamw")
+    trainer = _trainer(strategy=DeMoStrategy(update="raw", dense_below=100))
+    trainer.fit(model, _loader())
+    for name in ("comm/bytes_sent_per_step", "comm/bytes_received_per_step", "comm/ratio_vs_ddp"):
+        assert name in trainer.callback_metrics
+    opt = trainer.optimizers[0]
+    assert all("demo_momentum" in opt.state[p] and "exp_avg" in opt.state[p] for p in model.parameters())
+    assert trainer.strategy.last_stats.steps == 4
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+def test_sign_update_with_a_momentum_optimizer_warns() -> None:
+    with pytest.warns(UserWarning, match="update='raw'"):
+        _trainer(strategy="demo").fit(_Classifier("adamw"), _loader())
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+def test_fp16_with_grad_scaler_is_refused_with_a_clear_error() -> None:
+    # Lightning turns precision="16-mixed" into bf16 on CPU, so pass the fp16 plugin with its scaler directly
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = _trainer(strategy="demo", plugins=[plugin])
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        trainer.fit(_Classifier(), _loader())
+
+
+def _fit(out: Path, *extra: str, timeout: float = 240) -> list[dict[str, Any]]:
+    env = clean_env()
+    env["MASTER_PORT"] = str(free_port())
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(HERE / "lightning_run.py"), "--out", str(out), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_two_process_fit_replicas_identical_every_step_momenta_differ(tmp_path: Path) -> None:
+    ranks = _fit(tmp_path, "--accumulate", "2")
+    assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
+    assert len(ranks[0]["param_hashes"]) > 4
+    assert ranks[0]["momentum_hashes"][-1] != ranks[1]["momentum_hashes"][-1]  # negative control
+    for r in ranks:
+        assert r["exchanges"] == r["global_step"]  # one exchange per optimizer step, not per micro-batch
+        last = r["comm"][-1]
+        assert last["comm/bytes_sent_per_step"] > 0
+        assert last["comm/ratio_vs_ddp"] > 1
+
+
+def test_two_process_bf16_mixed_fit_keeps_replicas_identical(tmp_path: Path) -> None:
+    ranks = _fit(tmp_path, "--precision", "bf16-mixed", "--strategy-json", json.dumps({"value_format": "int8"}))
+    assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_resume_continues_bitwise_identically_on_every_rank(tmp_path: Path, optimizer: str) -> None:
+    extra = ["--optimizer", optimizer, "--strategy-json", json.dumps({"update": "sign" if optimizer == "sgd" else "raw"})]
+    ckpt = tmp_path / "half.ckpt"
+    full = _fit(tmp_path / "full", "--max-epochs", "2", *extra)
+    half = _fit(tmp_path / "half", "--max-epochs", "1", "--ckpt-out", str(ckpt), *extra)
+    resumed = _fit(tmp_path / "resumed", "--max-epochs", "2", "--ckpt-in", str(ckpt), *extra)
+    for rank in range(2):
+        f, h, r = full[rank], half[rank], resumed[rank]
+        assert r["global_step"] == f["global_step"] == 2 * h["global_step"]
+        for name, tensor in f["params"].items():
+            assert torch.equal(tensor, r["params"][name]), name
+        assert f["momenta"].keys() == r["momenta"].keys()
+        for index, tensor in f["momenta"].items():
+            assert torch.equal(tensor, r["momenta"][index]), index
+        assert f["losses"][h["global_step"]:] == r["losses"]  # the loss curve continues exactly
+        # negative control: the state did change between the checkpoint and the end
+        assert any(not torch.equal(h["params"][n], t) for n, t in f["params"].items())
+        assert any(not torch.equal(h["momenta"][i], t) for i, t in f["momenta"].items())
+    assert not torch.equal(full[0]["momenta"][0], full[1]["momenta"][0])  # each rank got its own back
