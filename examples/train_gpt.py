@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -65,13 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default="runs")
     p.add_argument("--name", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress-bar", action="store_true", help="plain logs (for scripts and CI)")
     p.add_argument("--summary-json", default=None)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    torch.set_num_threads(1) if args.devices > 1 else None
+    if args.devices > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     pl.seed_everything(args.seed, workers=True, verbose=False)
     optimizer = args.optimizer or ("sgd" if args.strategy == "demo" else "adamw")
     lr = args.lr if args.lr is not None else 3e-3
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         val_check_interval=args.val_check_interval, check_val_every_n_epoch=None, limit_val_batches=1.0,
         logger=TensorBoardLogger(args.log_dir, name=name), callbacks=[timer],
         enable_checkpointing=False, log_every_n_steps=10, enable_model_summary=False,
+        enable_progress_bar=not args.no_progress_bar,
     )
     trainer.fit(model, datamodule=data)
     val_loss = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"])

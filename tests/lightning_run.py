@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,14 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--strategy-json", default="{}")
     p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--rank-seeded-init", action="store_true", help="initialise the model differently on every rank")
     args = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
+    if args.rank_seeded_init:  # Lightning's launcher sets LOCAL_RANK for the processes it starts
+        torch.manual_seed(1 + int(os.environ.get("LOCAL_RANK", "0")))
     model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=args.optimizer, lr=1e-2, warmup_steps=2, max_steps=100)
+    initial = {n: t.detach().clone() for n, t in model.named_parameters()}
     data = TextDataModule(block_size=32, batch_size=8, max_bytes=args.max_bytes, max_val_bytes=2_000)
     strategy = demo_lightning.DeMoStrategy(timeout=60, dense_below=100, **json.loads(args.strategy_json))
     recorder = Recorder()
@@ -71,6 +76,7 @@ def main() -> None:
     opt = trainer.optimizers[0]
     stats = trainer.strategy.last_stats
     result = {
+        "initial_params": initial,
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
         "exchanges": stats.steps if stats else 0,

@@ -132,7 +132,9 @@ def _fit(out: Path, *extra: str, timeout: float = 240) -> list[dict[str, Any]]:
 
 
 def test_two_process_fit_replicas_identical_every_step_momenta_differ(tmp_path: Path) -> None:
-    ranks = _fit(tmp_path, "--accumulate", "2")
+    ranks = _fit(tmp_path, "--accumulate", "2", "--rank-seeded-init")
+    # each rank built different weights; rank 0's were broadcast before training
+    assert not torch.equal(ranks[0]["initial_params"]["model.tok.weight"], ranks[1]["initial_params"]["model.tok.weight"])
     assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
     assert len(ranks[0]["param_hashes"]) > 4
     assert ranks[0]["momentum_hashes"][-1] != ranks[1]["momentum_hashes"][-1]  # negative control

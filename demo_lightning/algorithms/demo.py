@@ -369,17 +369,24 @@ class DeMoExchange:
             # compressed tensors: batched transform and selection per family of equal tiles
             selected: dict[int, tuple[Tensor, Tensor]] = {}
             family_coeffs: dict[Any, Tensor] = {}
+            # `decode` holds, per family, the coefficients this worker sent (rows :n) and the mean over
+            # workers (rows n:), so one inverse transform serves the error feedback and the update
+            decode: dict[Any, Tensor] = {}
             for key, members in plan.families.items():
-                tiles = torch.cat([to_tiles(momenta[t.index], t.layout) for t in members])
+                n_tiles = sum(t.n_tiles for t in members)
+                ref = members[0]
+                tiles = torch.empty((n_tiles, *ref.layout.tile_shape), dtype=ref.compute_dtype, device=ref.param.device)
+                for t in members:
+                    to_tiles(momenta[t.index], t.layout, out=tiles[t.tile_offset : t.tile_offset + t.n_tiles])
                 coeffs = dct2(tiles)
                 family_coeffs[key] = coeffs
-                positions, values = select(coeffs, members[0].k, cfg.selection)
+                positions, values = select(coeffs, ref.k, cfg.selection)
                 for t in members:
                     rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)
                     selected[t.index] = (positions[rows], values[rows])
-
-            sent: dict[Any, Tensor] = {key: torch.zeros_like(c).view(c.shape[0], -1) for key, c in family_coeffs.items()}
-            mean: dict[Any, Tensor] = {key: torch.zeros_like(c).view(c.shape[0], -1) for key, c in family_coeffs.items()}
+                decode[key] = torch.zeros((2 * n_tiles, ref.layout.tile_numel), dtype=ref.compute_dtype, device=ref.param.device)
+            sent = {key: buf[: buf.shape[0] // 2] for key, buf in decode.items()}
+            mean = {key: buf[buf.shape[0] // 2 :] for key, buf in decode.items()}
             n_coefficients = 0
             for bucket in plan.buckets:
                 if cfg.all_reduces:
@@ -437,8 +444,7 @@ class DeMoExchange:
             for key, members in plan.families.items():
                 n = mean[key].shape[0]
                 mean[key].div_(world)
-                shape = family_coeffs[key].shape
-                decoded = idct2(torch.cat([sent[key], mean[key]]).view(2 * n, *shape[1:]))
+                decoded = idct2(decode[key].view(2 * n, *family_coeffs[key].shape[1:]))
                 feedback, direction = decoded[:n], decoded[n:]
                 for t in members:
                     rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)

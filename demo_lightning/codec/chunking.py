@@ -77,8 +77,11 @@ def plan_tiles(shape: torch.Size | tuple[int, ...], chunk: int) -> TileLayout:
     return TileLayout(shape=shape, rows=rows, cols=cols, tile_rows=min(chunk, rows), tile_cols=min(chunk, cols))
 
 
-def to_tiles(x: Tensor, layout: TileLayout) -> Tensor:
-    """View ``x`` as a matrix, zero-pad it and return its tiles as ``(n_tiles, tile_rows, tile_cols)``."""
+def to_tiles(x: Tensor, layout: TileLayout, out: Tensor | None = None) -> Tensor:
+    """View ``x`` as a matrix, zero-pad it and return its tiles as ``(n_tiles, tile_rows, tile_cols)``.
+
+    With ``out`` (a contiguous tensor of that shape) the tiles are written there, in one copy.
+    """
     if tuple(x.shape) != layout.shape:
         raise ValueError(f"to_tiles: tensor of shape {tuple(x.shape)} does not match layout shape {layout.shape}")
     matrix = x.reshape(layout.rows, layout.cols)
@@ -86,8 +89,11 @@ def to_tiles(x: Tensor, layout: TileLayout) -> Tensor:
     if pad_rows or pad_cols:
         matrix = F.pad(matrix, (0, pad_cols, 0, pad_rows))
     tr, tc = layout.tile_rows, layout.tile_cols
-    grid = matrix.reshape(layout.padded_rows // tr, tr, layout.padded_cols // tc, tc)
-    return grid.permute(0, 2, 1, 3).reshape(-1, tr, tc)
+    grid = matrix.reshape(layout.padded_rows // tr, tr, layout.padded_cols // tc, tc).permute(0, 2, 1, 3)
+    if out is None:
+        return grid.reshape(-1, tr, tc)
+    out.view(grid.shape).copy_(grid)
+    return out
 
 
 def from_tiles(tiles: Tensor, layout: TileLayout) -> Tensor:

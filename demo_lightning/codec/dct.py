@@ -50,15 +50,22 @@ def dct_basis(size: int, dtype: torch.dtype = torch.float32, device: torch.devic
     return _cached_basis(int(size), dtype, torch.device(device if device is not None else "cpu"))
 
 
+def _separable(tiles: Tensor, left: Tensor, right_t: Tensor) -> Tensor:
+    """``left @ tile @ right_t`` for every tile; the right product runs as one flat GEMM (faster than batched)."""
+    n_tiles, rows, cols = tiles.shape
+    out = (tiles.reshape(n_tiles * rows, cols) @ right_t).view(n_tiles, rows, cols)
+    return out if rows == 1 else torch.matmul(left, out)
+
+
 def dct2(tiles: Tensor) -> Tensor:
     """Separable 2-D DCT-II of a batch of tiles ``(T, r, c)`` -> coefficients ``(T, r, c)``."""
     rows = dct_basis(tiles.shape[-2], tiles.dtype, tiles.device)
     cols = dct_basis(tiles.shape[-1], tiles.dtype, tiles.device)
-    return rows @ tiles @ cols.T
+    return _separable(tiles, rows, cols.T)
 
 
 def idct2(coefficients: Tensor) -> Tensor:
     """Inverse of :func:`dct2`: coefficients ``(T, r, c)`` -> tiles ``(T, r, c)``."""
     rows = dct_basis(coefficients.shape[-2], coefficients.dtype, coefficients.device)
     cols = dct_basis(coefficients.shape[-1], coefficients.dtype, coefficients.device)
-    return rows.T @ coefficients @ cols
+    return _separable(coefficients, rows.T, cols)

@@ -1,0 +1,96 @@
+"""First figures: the main job with strategy="demo" (default settings) against AdamW + Lightning's DDP.
+
+    .venv/bin/python benchmarks/first_figures.py                # 300 steps, 2 workers (~10 min on 2 cores)
+    .venv/bin/python benchmarks/first_figures.py --update-readme
+
+Both runs use the same data, seed, model and number of optimizer steps. Writes
+benchmarks/results/first_figures.json and .md (a markdown table), and with --update-readme
+replaces the table between the README's ``first-figures`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+RUNS: dict[str, list[str]] = {
+    "ddp (AdamW)": ["--strategy", "ddp", "--optimizer", "adamw", "--lr", "3e-3"],
+    "demo (defaults, SGD sign)": ["--strategy", "demo", "--optimizer", "sgd", "--lr", "1e-3"],
+}
+
+
+def run(name: str, extra: list[str], steps: int, devices: int, workdir: Path) -> dict[str, Any]:
+    summary = workdir / f"{re.sub(r'[^a-z0-9]+', '_', name.lower())}.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *extra, "--max-steps", str(steps),
+           "--devices", str(devices), "--log-dir", str(workdir / "tb"), "--summary-json", str(summary), "--no-progress-bar"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    record = json.loads(summary.read_text())
+    record["method"] = name
+    return record
+
+
+def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    ddp = next(r for r in records if r["strategy"] == "ddp")
+    lines = [
+        f"Command: `{meta['command']}` — {meta['date']}, {meta['machine']}, {meta['steps']} optimizer steps, "
+        f"{meta['world_size']} workers, {ddp['n_trainable']:,} parameters.",
+        "",
+        "| method | val loss | vs DDP loss | bytes sent / worker / step | ratio vs DDP | step time | exchange share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        share = f"{100 * r['exchange_share']:.1f} %" if "exchange_share" in r else "—"
+        lines.append(
+            f"| {r['method']} | {r['final_val_loss']:.4f} | {r['final_val_loss'] / ddp['final_val_loss']:.3f}x | "
+            f"{r['bytes_sent_per_step']:,.0f} | {r['ratio_vs_ddp']:.1f}x | {1000 * r['step_time_s']:.0f} ms | {share} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--workdir", default=str(ROOT / "runs" / "first_figures"))
+    p.add_argument("--update-readme", action="store_true")
+    args = p.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    records = [run(name, extra, args.steps, args.devices, workdir) for name, extra in RUNS.items()]
+    meta = {
+        "command": "python benchmarks/first_figures.py" + (f" --steps {args.steps}" if args.steps != 300 else ""),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, torch gloo",
+        "steps": args.steps,
+        "world_size": args.devices,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "first_figures.json").write_text(json.dumps({"meta": meta, "records": records}, indent=2, default=str))
+    table = render(records, meta)
+    (RESULTS / "first_figures.md").write_text(table)
+    print(table)
+    if args.update_readme:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        start, end = "<!-- first-figures:start -->", "<!-- first-figures:end -->"
+        if start not in text or end not in text:
+            raise SystemExit(f"README.md lacks the markers {start} / {end}")
+        head, rest = text.split(start, 1)
+        readme.write_text(head + start + "\n" + table + end + rest.split(end, 1)[1])
+
+
+if __name__ == "__main__":
+    main()
