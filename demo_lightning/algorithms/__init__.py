@@ -1,7 +1,7 @@
 """Communication algorithms that attach to an optimizer, usable without Lightning."""
 
+from demo_lightning.algorithms.compressed_mean import DEFAULT_TOPK, CodecConfig, CompressedMean
 from demo_lightning.algorithms.demo import (
-    DEFAULT_TOPK,
     DEMO_STATE_KEY,
     UPDATES,
     DeMoConfig,
@@ -10,4 +10,14 @@ from demo_lightning.algorithms.demo import (
     warn_if_stateful,
 )
 
-__all__ = ["DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "warn_if_stateful"]
+__all__ = [
+    "DEFAULT_TOPK",
+    "DEMO_STATE_KEY",
+    "UPDATES",
+    "CodecConfig",
+    "CompressedMean",
+    "DeMoConfig",
+    "DeMoExchange",
+    "ExchangeStats",
+    "warn_if_stateful",
+]

@@ -37,7 +37,6 @@ tensors changes; a mismatch raises ``RuntimeError`` on every rank before any exc
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -45,30 +44,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from demo_lightning.codec import (
-    SELECTIONS,
-    VALUE_FORMATS,
-    TileLayout,
-    coefficients_per_tile,
-    dct2,
-    from_tiles,
-    idct2,
-    pack_segment,
-    plan_tiles,
-    segment_nbytes,
-    select,
-    to_tiles,
-    unpack_segment,
-    validate_strength,
-)
+from demo_lightning.algorithms.compressed_mean import DEFAULT_TOPK, CodecConfig, CompressedMean, compute_dtype
 from demo_lightning.comm import Communicator, StepTraffic, ddp_bytes_per_step
 
 __all__ = ["DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "warn_if_stateful"]
 
 DEMO_STATE_KEY = "demo_momentum"
-DEFAULT_TOPK = 32
 UPDATES: tuple[str, ...] = ("sign", "raw")
-_WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -100,63 +82,24 @@ class DeMoConfig:
     bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ValueError(f"chunk must be a positive integer (tile side), got {self.chunk!r}; the paper uses 64")
-        validate_strength(self.topk, self.keep_ratio)
+        _ = self.codec  # validates the codec fields
         if not isinstance(self.decay, (int, float)) or not 0.0 <= float(self.decay) < 1.0:
             raise ValueError(f"decay must lie in [0, 1), got {self.decay!r}; the paper uses 0.999")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        if self.value_format not in VALUE_FORMATS:
-            raise ValueError(f"value_format must be one of {VALUE_FORMATS}, got {self.value_format!r}")
         if self.update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
-        if isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0:
-            raise ValueError(f"dense_below must be a non-negative integer (element count), got {self.dense_below!r}")
-        if not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+
+    @property
+    def codec(self) -> CodecConfig:
+        """The codec part of the settings."""
+        return CodecConfig(
+            chunk=self.chunk, topk=self.topk, keep_ratio=self.keep_ratio, selection=self.selection,
+            value_format=self.value_format, dense_below=self.dense_below, bucket_cap_mb=self.bucket_cap_mb,
+        )
 
     @property
     def strength(self) -> tuple[Optional[int], Optional[float]]:
         """``(topk, keep_ratio)`` with the default applied."""
-        if self.topk is None and self.keep_ratio is None:
-            return DEFAULT_TOPK, None
-        return self.topk, self.keep_ratio
-
-    @property
-    def sends_positions(self) -> bool:
-        return self.selection == "topk"
-
-    @property
-    def all_reduces(self) -> bool:
-        """Low-pass values in a float format are summed by an all-reduce; everything else is all-gathered."""
-        return self.selection == "lowpass" and self.value_format in _WIRE_DTYPES
-
-
-@dataclass
-class _TensorPlan:
-    index: int
-    param: Tensor
-    dense: bool
-    compute_dtype: torch.dtype
-    layout: Optional[TileLayout] = None
-    k: int = 0
-    family: Any = None
-    tile_offset: int = 0
-
-    @property
-    def n_tiles(self) -> int:
-        return self.layout.n_tiles if self.layout is not None else 0
-
-
-@dataclass
-class _Plan:
-    tensors: list[_TensorPlan]
-    dense_groups: dict[torch.dtype, list[_TensorPlan]]
-    families: "OrderedDict[Any, list[_TensorPlan]]"
-    buckets: list[list[_TensorPlan]]
-    segment_bytes: dict[int, int]
-    n_trainable: int
+        return self.codec.strength
 
 
 @dataclass
@@ -201,8 +144,7 @@ class DeMoExchange:
         self.config = config if config is not None else DeMoConfig()
         self.comm = communicator if communicator is not None else Communicator()
         self.stats = ExchangeStats()
-        self._plan: Optional[_Plan] = None
-        self._plan_key: Optional[tuple] = None
+        self._codec = CompressedMean(self.config.codec, self.comm)
         self._hidden: dict[Tensor, Tensor] = {}
         self._hooks = [
             optimizer.register_step_pre_hook(self._hide_state),
@@ -221,7 +163,7 @@ class DeMoExchange:
         if buf is None:
             buf = self._hidden.pop(param, None)
         if buf is None:
-            buf = torch.zeros(param.shape, dtype=_compute_dtype(param), device=param.device)
+            buf = torch.zeros(param.shape, dtype=compute_dtype(param.dtype), device=param.device)
         state[DEMO_STATE_KEY] = buf
         return buf
 
@@ -247,7 +189,7 @@ class DeMoExchange:
                     f"saved DeMo momentum for parameter {index} has shape {tuple(buf.shape)}, the parameter "
                     f"{tuple(p.shape)}: the checkpoint comes from a different model"
                 )
-            self.optimizer.state[p][DEMO_STATE_KEY] = buf.to(dtype=_compute_dtype(p), device=p.device).clone()
+            self.optimizer.state[p][DEMO_STATE_KEY] = buf.to(dtype=compute_dtype(p.dtype), device=p.device).clone()
 
     def clear_state(self) -> None:
         """Drop every local momentum (they restart from zero)."""
@@ -278,205 +220,46 @@ class DeMoExchange:
             h.remove()
         self._hooks = []
 
-    # ------------------------------------------------------------------ plan
-    def _build_plan(self) -> _Plan:
-        cfg = self.config
-        topk, keep_ratio = cfg.strength
-        all_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        tensors: list[_TensorPlan] = []
-        for index, p in enumerate(all_params):
-            if not p.requires_grad:
-                continue
-            dense = p.numel() < cfg.dense_below
-            plan = _TensorPlan(index=index, param=p, dense=dense, compute_dtype=_compute_dtype(p))
-            if not dense:
-                plan.layout = plan_tiles(p.shape, cfg.chunk)
-                plan.k = coefficients_per_tile(plan.layout.tile_numel, topk, keep_ratio)
-                plan.family = (plan.layout.tile_shape, plan.k, plan.compute_dtype, p.device)
-            tensors.append(plan)
-        dense_groups: dict[torch.dtype, list[_TensorPlan]] = {}
-        families: OrderedDict[Any, list[_TensorPlan]] = OrderedDict()
-        for t in tensors:
-            if t.dense:
-                dense_groups.setdefault(t.compute_dtype, []).append(t)
-            else:
-                members = families.setdefault(t.family, [])
-                t.tile_offset = sum(m.n_tiles for m in members)
-                members.append(t)
-        segment_bytes: dict[int, int] = {}
-        cap = int(cfg.bucket_cap_mb * 1024 * 1024)
-        buckets: list[list[_TensorPlan]] = []
-        size = 0
-        for t in tensors:
-            if t.dense:
-                continue
-            assert t.layout is not None
-            if cfg.all_reduces:
-                nbytes = t.n_tiles * t.k * _WIRE_DTYPES[cfg.value_format].itemsize
-            else:
-                nbytes = segment_nbytes(t.n_tiles, t.k, t.layout.tile_numel, cfg.value_format, cfg.sends_positions)
-            segment_bytes[t.index] = nbytes
-            if not buckets or size + nbytes > cap:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(t)
-            size += nbytes
-        fingerprint = [len(all_params)]
-        for t in tensors:
-            fingerprint += [t.index, t.param.numel(), len(t.param.shape)]
-        self.comm.check_same(fingerprint, "demo/fingerprint", "the set of trainable parameters")
-        return _Plan(tensors, dense_groups, families, buckets, segment_bytes, sum(t.param.numel() for t in tensors))
-
-    def _plan_for_step(self) -> _Plan:
-        key = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for g in self.optimizer.param_groups for p in g["params"])
-        if self._plan is None or key != self._plan_key:
-            self._plan = self._build_plan()
-            self._plan_key = key
-        return self._plan
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> ExchangeStats:
         """Run one exchange: update momenta, share their fast components, write ``p.grad``."""
         start = time.perf_counter()
-        comm_seconds = 0.0
         cfg = self.config
-        world = self.comm.world_size
         self.restore_state()
-        plan = self._plan_for_step()
+        params = self.parameters()
         ledger = self.comm.ledger
+        self._codec.plan(params)  # (re)planning may check layouts across ranks: outside the step window
+        comm_before = self.comm.seconds
         ledger.begin_step()
         try:
-            momenta = {t.index: self.momentum(t.param) for t in plan.tensors}
-            for t in plan.tensors:
-                m = momenta[t.index]
+            momenta = [self.momentum(p) for p in params]
+            for p, m in zip(params, momenta):
                 m.mul_(cfg.decay)
-                if t.param.grad is not None:
-                    m.add_(t.param.grad.to(m.dtype))
-            shared: dict[int, Tensor] = {}
-
-            # dense tensors: the whole momentum, summed in one all-reduce per dtype
-            for dtype, group in plan.dense_groups.items():
-                flat = torch.cat([momenta[t.index].reshape(-1) for t in group])
-                tic = time.perf_counter()
-                self.comm.all_reduce_sum_(flat, "demo/dense")
-                comm_seconds += time.perf_counter() - tic
-                flat.div_(world)
-                for t, part in zip(group, torch.split(flat, [t.param.numel() for t in group])):
-                    shared[t.index] = part.view(t.param.shape)
-                    momenta[t.index].zero_()
-
-            # compressed tensors: batched transform and selection per family of equal tiles
-            selected: dict[int, tuple[Tensor, Tensor]] = {}
-            family_coeffs: dict[Any, Tensor] = {}
-            # `decode` holds, per family, the coefficients this worker sent (rows :n) and the mean over
-            # workers (rows n:), so one inverse transform serves the error feedback and the update
-            decode: dict[Any, Tensor] = {}
-            for key, members in plan.families.items():
-                n_tiles = sum(t.n_tiles for t in members)
-                ref = members[0]
-                tiles = torch.empty((n_tiles, *ref.layout.tile_shape), dtype=ref.compute_dtype, device=ref.param.device)
-                for t in members:
-                    to_tiles(momenta[t.index], t.layout, out=tiles[t.tile_offset : t.tile_offset + t.n_tiles])
-                coeffs = dct2(tiles)
-                family_coeffs[key] = coeffs
-                positions, values = select(coeffs, ref.k, cfg.selection)
-                for t in members:
-                    rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)
-                    selected[t.index] = (positions[rows], values[rows])
-                decode[key] = torch.zeros((2 * n_tiles, ref.layout.tile_numel), dtype=ref.compute_dtype, device=ref.param.device)
-            sent = {key: buf[: buf.shape[0] // 2] for key, buf in decode.items()}
-            mean = {key: buf[buf.shape[0] // 2 :] for key, buf in decode.items()}
-            n_coefficients = 0
-            for bucket in plan.buckets:
-                if cfg.all_reduces:
-                    wire = _WIRE_DTYPES[cfg.value_format]
-                    parts = []
-                    for t in bucket:
-                        positions, values = selected[t.index]
-                        narrow = values.to(wire)
-                        rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)
-                        sent[t.family][rows].scatter_(1, positions, narrow.to(sent[t.family].dtype))
-                        parts.append(narrow.reshape(-1))
-                        n_coefficients += values.numel()
-                    flat = torch.cat(parts)
-                    tic = time.perf_counter()
-                    self.comm.all_reduce_sum_(flat, "demo/lowpass")
-                    comm_seconds += time.perf_counter() - tic
-                    summed = flat.to(torch.float32)
-                    offset = 0
-                    for t in bucket:
-                        positions, values = selected[t.index]
-                        count = values.numel()
-                        rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)
-                        part = summed[offset : offset + count].view_as(values).to(mean[t.family].dtype)
-                        mean[t.family][rows].scatter_(1, positions, part)
-                        offset += count
-                    continue
-                segments = []
-                for t in bucket:
-                    positions, values = selected[t.index]
-                    buf, decoded = pack_segment(
-                        positions if cfg.sends_positions else None, values, t.layout.tile_numel, cfg.value_format
-                    )
-                    rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)
-                    sent[t.family][rows].scatter_(1, positions, decoded.to(sent[t.family].dtype))
-                    segments.append(buf)
-                    n_coefficients += values.numel()
-                payload = torch.cat(segments)
-                tic = time.perf_counter()
-                gathered = self.comm.all_gather_bytes(payload, "demo/topk" if cfg.sends_positions else "demo/values")
-                comm_seconds += time.perf_counter() - tic
-                for rank_buf in gathered:  # fixed rank order: deterministic sum on every replica
-                    offset = 0
-                    for t in bucket:
-                        nbytes = plan.segment_bytes[t.index]
-                        positions, values = unpack_segment(
-                            rank_buf[offset : offset + nbytes], t.n_tiles, t.k, t.layout.tile_numel,
-                            cfg.value_format, cfg.sends_positions,
-                        )
-                        if positions is None:
-                            positions = selected[t.index][0]
-                        rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)
-                        mean[t.family][rows].scatter_add_(1, positions, values.to(mean[t.family].dtype))
-                        offset += nbytes
-
-            for key, members in plan.families.items():
-                n = mean[key].shape[0]
-                mean[key].div_(world)
-                decoded = idct2(decode[key].view(2 * n, *family_coeffs[key].shape[1:]))
-                feedback, direction = decoded[:n], decoded[n:]
-                for t in members:
-                    rows = slice(t.tile_offset, t.tile_offset + t.n_tiles)
-                    momenta[t.index].sub_(from_tiles(feedback[rows], t.layout))
-                    shared[t.index] = from_tiles(direction[rows], t.layout)
-
-            for t in plan.tensors:
-                update = shared[t.index]
-                if cfg.update == "sign":
-                    update = torch.sign(update)
-                update = update.to(t.param.dtype)
-                if t.param.grad is None:
-                    t.param.grad = update.clone()
+                if p.grad is not None:
+                    m.add_(p.grad.to(m.dtype))
+            shared, sent = self._codec(momenta, "demo")
+            for p, m, q, s in zip(params, momenta, shared, sent):
+                m.sub_(s)  # error feedback: what was sent leaves the local momentum
+                update = (torch.sign(q) if cfg.update == "sign" else q).to(p.dtype)
+                if p.grad is None:
+                    p.grad = update.clone()
                 else:
-                    t.param.grad.copy_(update)
+                    p.grad.copy_(update)
         finally:
-            traffic = ledger.end_step(ddp_bytes_per_step(plan.n_trainable, world))
+            n_trainable = sum(p.numel() for p in params)
+            traffic = ledger.end_step(ddp_bytes_per_step(n_trainable, self.comm.world_size))
         seconds = time.perf_counter() - start
-        s = self.stats
-        s.seconds, s.comm_seconds = seconds, comm_seconds
-        s.sent_bytes, s.received_bytes = traffic.sent_bytes, traffic.received_bytes
-        s.payload_bytes, s.ddp_bytes, s.collectives = traffic.payload_bytes, traffic.ddp_bytes, traffic.calls
-        s.coefficients, s.n_trainable = n_coefficients, plan.n_trainable
-        s.steps += 1
-        s.total_seconds += seconds
-        s.total_comm_seconds += comm_seconds
-        return s
-
-
-def _compute_dtype(param: Tensor) -> torch.dtype:
-    """Momentum and transforms run in fp32 for half-precision parameters, else in the parameter's dtype."""
-    return torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+        comm_seconds = self.comm.seconds - comm_before
+        st = self.stats
+        st.seconds, st.comm_seconds = seconds, comm_seconds
+        st.sent_bytes, st.received_bytes = traffic.sent_bytes, traffic.received_bytes
+        st.payload_bytes, st.ddp_bytes, st.collectives = traffic.payload_bytes, traffic.ddp_bytes, traffic.calls
+        st.coefficients, st.n_trainable = self._codec.coefficients, n_trainable
+        st.steps += 1
+        st.total_seconds += seconds
+        st.total_comm_seconds += comm_seconds
+        return st
 
 
 def warn_if_stateful(optimizer: Optimizer) -> Optional[str]:

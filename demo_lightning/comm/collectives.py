@@ -14,6 +14,7 @@ timeout (set it with the strategy's ``timeout``); nothing here retries.
 from __future__ import annotations
 
 import io
+import time
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,14 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.ledger = ledger if ledger is not None else ByteLedger(rank=self.rank)
         self.ledger.rank = self.rank
+        self.seconds = 0.0  # wall time spent inside collectives
+
+    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
 
     @property
     def active(self) -> bool:
@@ -54,21 +63,21 @@ class Communicator:
         if not self.active:
             return [buffer]
         out = [torch.empty_like(buffer) for _ in range(self.world_size)]
-        dist.all_gather(out, buffer.contiguous(), group=self.group)
+        self._timed(dist.all_gather, out, buffer.contiguous(), group=self.group)
         return out
 
     def all_reduce_sum_(self, tensor: Tensor, tag: str) -> Tensor:
         """Sum ``tensor`` over ranks in place (bitwise identical on every rank) and return it."""
         self.ledger.record("all_reduce", tag, tensor.numel() * tensor.element_size(), self.world_size)
         if self.active:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            self._timed(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def broadcast_(self, tensor: Tensor, tag: str, src: int = 0) -> Tensor:
         """Overwrite ``tensor`` with rank ``src``'s copy, in place."""
         self.ledger.record("broadcast", tag, tensor.numel() * tensor.element_size(), self.world_size, root=src)
         if self.active:
-            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
+            self._timed(dist.broadcast, tensor, src=self._global_rank(src), group=self.group)
         return tensor
 
     def broadcast_tensors_(self, tensors: list[Tensor], tag: str, src: int = 0) -> None:

@@ -111,7 +111,9 @@ class ByteLedger:
     """Records every collective; keeps cumulative totals per tag and the records of the open step.
 
     ``begin_step`` / ``end_step`` bracket the collectives of one optimizer step; collectives outside
-    a step (the initial broadcast, checkpoint gathers) only count in the cumulative totals.
+    a step (the initial broadcast, checkpoint gathers) only count in the cumulative totals. Windows
+    nest: an inner pair (an algorithm's own) reports what the step has recorded so far, and only the
+    outermost ``end_step`` closes the step.
     """
 
     rank: int = 0
@@ -119,7 +121,7 @@ class ByteLedger:
     step_records: list[CollectiveRecord] = field(default_factory=list)
     last_step: StepTraffic | None = None
     steps: int = 0
-    _in_step: bool = False
+    _depth: int = 0
 
     def record(self, op: CollectiveOp, tag: str, payload_bytes: int, world_size: int, root: int = 0) -> CollectiveRecord:
         """Record one collective of ``payload_bytes`` handed in by this worker."""
@@ -130,26 +132,31 @@ class ByteLedger:
         totals.payload_bytes += rec.payload_bytes
         totals.sent_bytes += sent
         totals.received_bytes += received
-        if self._in_step:
+        if self._depth > 0:
             self.step_records.append(rec)
         return rec
 
     def begin_step(self) -> None:
-        self.step_records = []
-        self._in_step = True
+        if self._depth == 0:
+            self.step_records = []
+        self._depth += 1
 
     def end_step(self, ddp_bytes: float) -> StepTraffic:
-        """Close the open step; ``ddp_bytes`` is DDP's traffic for the same step (for the ratio)."""
-        self._in_step = False
-        self.steps += 1
-        self.last_step = StepTraffic(
+        """Close a window; ``ddp_bytes`` is DDP's traffic for the same step (for the ratio)."""
+        if self._depth == 0:
+            raise RuntimeError("end_step without begin_step")
+        self._depth -= 1
+        traffic = StepTraffic(
             sent_bytes=sum(r.sent_bytes for r in self.step_records),
             received_bytes=sum(r.received_bytes for r in self.step_records),
             payload_bytes=sum(r.payload_bytes for r in self.step_records),
             calls=len(self.step_records),
             ddp_bytes=ddp_bytes,
         )
-        return self.last_step
+        if self._depth == 0:
+            self.steps += 1
+            self.last_step = traffic
+        return traffic
 
     @property
     def total_sent_bytes(self) -> float:

@@ -1,0 +1,303 @@
+"""Mean over workers of a list of tensors, sent through the DeMo codec.
+
+This is the communication core of DeMo (arXiv 2411.19870), shared by the DeMo exchange (which
+feeds it momenta) and by DES-LOC's compressed parameter sync (which feeds it parameter changes).
+For each input tensor ``x`` on each worker::
+
+    (I, V)  = select(DCT(tiles(x)), k)          # top-k by magnitude, or the k lowest frequencies
+    V^      = quantize(V)                       # value_format
+    sent    = IDCT(scatter(I, V^))              # what this worker contributed (for error feedback)
+    mean    = IDCT( sum_{r=0..W-1} scatter(I_r, V^_r) / W )
+
+Tensors with fewer than ``dense_below`` elements skip the codec: ``mean`` is an fp32 all-reduce of
+``x`` divided by W and ``sent`` is ``x`` itself.
+
+Determinism: ranks' contributions are summed in rank order 0..W-1 into a dense coefficient buffer
+(positions within a tile are distinct, so ``scatter_add_`` never collides), which makes every
+replica compute bitwise the same ``mean``; with identical inputs on W workers the mean equals a
+single worker's bitwise (``(a + a) / 2 == a``).
+
+Performance: tiles of the same shape from all tensors are transformed together (one GEMM plus one
+batched matmul per family); one inverse transform serves ``sent`` and ``mean``; each bucket of up to
+``bucket_cap_mb`` megabytes is one collective.
+
+Failure: the trainable tensor layout (count, sizes, ranks) is compared across workers whenever it
+changes; a mismatch raises ``RuntimeError`` on every rank before any data moves. A collective that
+cannot complete raises after the process group's timeout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+from torch import Tensor
+
+from demo_lightning.codec import (
+    SELECTIONS,
+    VALUE_FORMATS,
+    TileLayout,
+    coefficients_per_tile,
+    dct2,
+    from_tiles,
+    idct2,
+    pack_segment,
+    plan_tiles,
+    segment_nbytes,
+    select,
+    to_tiles,
+    unpack_segment,
+    validate_strength,
+)
+from demo_lightning.comm import Communicator
+
+__all__ = ["DEFAULT_TOPK", "CodecConfig", "CompressedMean", "compute_dtype"]
+
+DEFAULT_TOPK = 32
+_WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Transforms run in fp32 for half-precision tensors, else in the tensor's own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """How tensors are compressed on the wire.
+
+    Args:
+        chunk: tile side: 2-D views are cut into ``chunk`` x ``chunk`` tiles, 1-D into ``chunk``-long ones.
+        topk: coefficients kept per tile (clamped to the tile size); 32 when neither this nor
+            ``keep_ratio`` is given (the paper: 32 of 4096 = 0.78 %).
+        keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
+        selection: ``"topk"`` (largest magnitudes, positions sent) or ``"lowpass"`` (fixed lowest
+            frequencies, no positions; all-reduced when ``value_format`` is a float format).
+        value_format: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"sign"``.
+        dense_below: tensors with fewer elements are all-reduced densely in fp32 (0 disables).
+        bucket_cap_mb: largest payload of one collective, in megabytes.
+    """
+
+    chunk: int = 64
+    topk: Optional[int] = None
+    keep_ratio: Optional[float] = None
+    selection: Literal["topk", "lowpass"] = "topk"
+    value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "bf16"
+    dense_below: int = 4096
+    bucket_cap_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"chunk must be a positive integer (tile side), got {self.chunk!r}; the paper uses 64")
+        validate_strength(self.topk, self.keep_ratio)
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if self.value_format not in VALUE_FORMATS:
+            raise ValueError(f"value_format must be one of {VALUE_FORMATS}, got {self.value_format!r}")
+        if isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0:
+            raise ValueError(f"dense_below must be a non-negative integer (element count), got {self.dense_below!r}")
+        if not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+
+    @property
+    def strength(self) -> tuple[Optional[int], Optional[float]]:
+        """``(topk, keep_ratio)`` with the default applied."""
+        if self.topk is None and self.keep_ratio is None:
+            return DEFAULT_TOPK, None
+        return self.topk, self.keep_ratio
+
+    @property
+    def sends_positions(self) -> bool:
+        return self.selection == "topk"
+
+    @property
+    def all_reduces(self) -> bool:
+        """Low-pass values in a float format are summed by an all-reduce; everything else is all-gathered."""
+        return self.selection == "lowpass" and self.value_format in _WIRE_DTYPES
+
+
+@dataclass
+class _Item:
+    """One input tensor's place in the plan."""
+
+    position: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    dense: bool
+    layout: Optional[TileLayout] = None
+    k: int = 0
+    family: Any = None
+    tile_offset: int = 0
+    nbytes: int = 0
+
+    @property
+    def n_tiles(self) -> int:
+        return self.layout.n_tiles if self.layout is not None else 0
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.tile_offset, self.tile_offset + self.n_tiles)
+
+
+@dataclass
+class _Plan:
+    items: list[_Item]
+    dense_groups: dict[tuple[torch.dtype, torch.device], list[_Item]]
+    families: "OrderedDict[Any, list[_Item]]"
+    buckets: list[list[_Item]]
+
+
+class CompressedMean:
+    """Average tensors over workers through the DeMo codec (see the module docstring).
+
+    Args:
+        config: codec settings.
+        communicator: collectives and their ledger.
+    """
+
+    def __init__(self, config: CodecConfig, communicator: Communicator) -> None:
+        self.config = config
+        self.comm = communicator
+        self._plan: Optional[_Plan] = None
+        self._plan_key: Optional[tuple] = None
+        self.coefficients = 0
+
+    def _build_plan(self, tensors: list[Tensor]) -> _Plan:
+        cfg = self.config
+        topk, keep_ratio = cfg.strength
+        items: list[_Item] = []
+        for position, x in enumerate(tensors):
+            item = _Item(position, tuple(x.shape), compute_dtype(x.dtype), x.device, dense=x.numel() < cfg.dense_below)
+            if not item.dense:
+                item.layout = plan_tiles(x.shape, cfg.chunk)
+                item.k = coefficients_per_tile(item.layout.tile_numel, topk, keep_ratio)
+                item.family = (item.layout.tile_shape, item.k, item.dtype, item.device)
+                if cfg.all_reduces:
+                    item.nbytes = item.n_tiles * item.k * _WIRE_DTYPES[cfg.value_format].itemsize
+                else:
+                    item.nbytes = segment_nbytes(item.n_tiles, item.k, item.layout.tile_numel, cfg.value_format, cfg.sends_positions)
+            items.append(item)
+        dense_groups: dict[tuple[torch.dtype, torch.device], list[_Item]] = {}
+        families: OrderedDict[Any, list[_Item]] = OrderedDict()
+        cap = int(cfg.bucket_cap_mb * 1024 * 1024)
+        buckets: list[list[_Item]] = []
+        size = 0
+        for item in items:
+            if item.dense:
+                dense_groups.setdefault((item.dtype, item.device), []).append(item)
+                continue
+            members = families.setdefault(item.family, [])
+            item.tile_offset = sum(m.n_tiles for m in members)
+            members.append(item)
+            if not buckets or size + item.nbytes > cap:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(item)
+            size += item.nbytes
+        fingerprint = [len(items)]
+        for x in tensors:
+            fingerprint += [x.numel(), x.dim()]
+        self.comm.check_same(fingerprint, "codec/fingerprint", "the list of tensors to average")
+        return _Plan(items, dense_groups, families, buckets)
+
+    def plan(self, tensors: list[Tensor]) -> _Plan:
+        """The (cached) plan for tensors of these shapes; rebuilding it compares layouts across ranks."""
+        key = tuple((tuple(x.shape), x.dtype, x.device) for x in tensors)
+        if self._plan is None or key != self._plan_key:
+            self._plan = self._build_plan(tensors)
+            self._plan_key = key
+        return self._plan
+
+    @torch.no_grad()
+    def __call__(self, inputs: list[Tensor], tag: str) -> tuple[list[Tensor], list[Tensor]]:
+        """Return ``(mean over workers, what this worker sent)`` for every input, in the compute dtype."""
+        cfg = self.config
+        world = self.comm.world_size
+        plan = self.plan(inputs)
+        mean_out: list[Optional[Tensor]] = [None] * len(inputs)
+        sent_out: list[Optional[Tensor]] = [None] * len(inputs)
+
+        for group in plan.dense_groups.values():
+            flat = torch.cat([inputs[i.position].reshape(-1).to(i.dtype) for i in group])
+            self.comm.all_reduce_sum_(flat, f"{tag}/dense")
+            flat.div_(world)
+            for item, part in zip(group, torch.split(flat, [inputs[i.position].numel() for i in group])):
+                mean_out[item.position] = part.view(item.shape)
+                sent_out[item.position] = inputs[item.position].to(item.dtype)
+
+        # per family: rows [:n] hold what this worker sent, rows [n:] the mean over workers
+        selected: dict[int, tuple[Tensor, Tensor]] = {}
+        decode: dict[Any, Tensor] = {}
+        for key, members in plan.families.items():
+            ref = members[0]
+            n_tiles = sum(m.n_tiles for m in members)
+            tiles = torch.empty((n_tiles, *ref.layout.tile_shape), dtype=ref.dtype, device=ref.device)
+            for m in members:
+                to_tiles(inputs[m.position].to(ref.dtype), m.layout, out=tiles[m.rows])
+            positions, values = select(dct2(tiles), ref.k, cfg.selection)
+            for m in members:
+                selected[m.position] = (positions[m.rows], values[m.rows])
+            decode[key] = torch.zeros((2 * n_tiles, ref.layout.tile_numel), dtype=ref.dtype, device=ref.device)
+
+        coefficients = 0
+        for bucket in plan.buckets:
+            if cfg.all_reduces:
+                wire = _WIRE_DTYPES[cfg.value_format]
+                parts = []
+                for m in bucket:
+                    positions, values = selected[m.position]
+                    narrow = values.to(wire)
+                    self._sent_rows(decode, m).scatter_(1, positions, narrow.to(m.dtype))
+                    parts.append(narrow.reshape(-1))
+                flat = torch.cat(parts)
+                self.comm.all_reduce_sum_(flat, f"{tag}/lowpass")
+                offset = 0
+                for m in bucket:
+                    positions, values = selected[m.position]
+                    part = flat[offset : offset + values.numel()].view_as(values).to(m.dtype)
+                    self._mean_rows(decode, m).scatter_(1, positions, part)
+                    offset += values.numel()
+                    coefficients += values.numel()
+                continue
+            segments = []
+            for m in bucket:
+                positions, values = selected[m.position]
+                buf, decoded = pack_segment(positions if cfg.sends_positions else None, values, m.layout.tile_numel, cfg.value_format)
+                self._sent_rows(decode, m).scatter_(1, positions, decoded.to(m.dtype))
+                segments.append(buf)
+                coefficients += values.numel()
+            gathered = self.comm.all_gather_bytes(torch.cat(segments), f"{tag}/{'topk' if cfg.sends_positions else 'values'}")
+            for rank_buf in gathered:  # rank order 0..W-1 on every replica
+                offset = 0
+                for m in bucket:
+                    positions, values = unpack_segment(
+                        rank_buf[offset : offset + m.nbytes], m.n_tiles, m.k, m.layout.tile_numel,
+                        cfg.value_format, cfg.sends_positions,
+                    )
+                    if positions is None:
+                        positions = selected[m.position][0]
+                    self._mean_rows(decode, m).scatter_add_(1, positions, values.to(m.dtype))
+                    offset += m.nbytes
+
+        for key, members in plan.families.items():
+            buf = decode[key]
+            n = buf.shape[0] // 2
+            buf[n:].div_(world)
+            tiles = idct2(buf.view(2 * n, *members[0].layout.tile_shape))
+            for m in members:
+                sent_out[m.position] = from_tiles(tiles[m.rows], m.layout)
+                mean_out[m.position] = from_tiles(tiles[n:][m.rows], m.layout)
+        self.coefficients = coefficients
+        return [t for t in mean_out if t is not None], [t for t in sent_out if t is not None]
+
+    @staticmethod
+    def _sent_rows(decode: dict[Any, Tensor], item: _Item) -> Tensor:
+        return decode[item.family][item.rows]
+
+    @staticmethod
+    def _mean_rows(decode: dict[Any, Tensor], item: _Item) -> Tensor:
+        buf = decode[item.family]
+        return buf[buf.shape[0] // 2 :][item.rows]

@@ -1,0 +1,292 @@
+"""Shared Lightning glue of the communication-efficient strategies.
+
+``DDPStrategy`` gives launching, process groups, ranks and the distributed sampler; this base
+removes the ``DistributedDataParallel`` wrapper (no gradient all-reduce) and runs, per optimizer
+step, an optional DeMo exchange (before the update) and optional DES-LOC averaging (after it).
+
+Checkpoints: every rank builds the checkpoint dict and only rank 0 writes it, so per-rank state
+is gathered into the optimizer entries under ``"demo_lightning"``: each rank's DeMo momenta, and
+with DES-LOC each rank's parameters, buffers, full optimizer state and schedule position. On resume
+each rank takes its own back (after rank 0's weights were broadcast). A checkpoint from another
+world size restores the shared parts and restarts the per-rank parts from rank 0's copy (warned).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange, warn_if_stateful
+from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
+from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_per_step
+
+__all__ = ["CommunicationStrategy", "as_timedelta"]
+
+_CHECKPOINT_KEY = "demo_lightning"
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+def as_timedelta(timeout: Union[float, int, timedelta], name: str = "timeout") -> timedelta:
+    """Seconds or a ``timedelta`` -> ``timedelta``; rejects non-positive values naming ``name``."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"{name} must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {seconds}; collectives that exceed it raise on every rank")
+    return timedelta(seconds=seconds)
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class CommunicationStrategy(DDPStrategy):
+    """Base of ``DeMoStrategy`` and ``DesLocStrategy`` (not registered itself)."""
+
+    def __init__(
+        self,
+        demo_config: Optional[DeMoConfig],
+        desloc_config: Optional[DesLocConfig],
+        process_group_backend: Optional[str],
+        timeout: Union[float, timedelta],
+        start_method: StartMethod,
+        accelerator: Optional[Accelerator],
+        parallel_devices: Optional[list[torch.device]],
+        cluster_environment: Optional[ClusterEnvironment],
+        checkpoint_io: Optional[CheckpointIO],
+        precision_plugin: Optional[Precision],
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=as_timedelta(timeout),
+            start_method=start_method,
+        )
+        self.demo_config = demo_config
+        self.desloc_config = desloc_config if desloc_config is not None and desloc_config.enabled else None
+        self.ledger = ByteLedger()
+        self.last_traffic: Optional[StepTraffic] = None
+        self._communicator: Optional[Communicator] = None
+        self._exchanges: dict[int, DeMoExchange] = {}
+        self._averagers: dict[int, DesLocAverager] = {}
+
+    # ------------------------------------------------------------------ public
+    @property
+    def communicator(self) -> Communicator:
+        """Collectives of this strategy (created once the process group exists)."""
+        if self._communicator is None:
+            self._communicator = Communicator(ledger=self.ledger)
+        return self._communicator
+
+    @property
+    def exchanges(self) -> list[DeMoExchange]:
+        """One DeMo exchange per optimizer (empty without DeMo)."""
+        return list(self._exchanges.values())
+
+    @property
+    def averagers(self) -> list[DesLocAverager]:
+        """One DES-LOC averager per optimizer (empty when no period is set)."""
+        return list(self._averagers.values())
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support precision='16-mixed' (fp16 with a GradScaler): the scaled and "
+                "possibly non-finite gradients would enter each worker's local state. Use precision='bf16-mixed' or "
+                "'32-true'."
+            )
+        self._communicator = None
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._attach()
+
+    @override
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel wrapper: gradients are never all-reduced. Replicas start from rank 0.
+        assert self.model is not None
+        self.communicator.broadcast_tensors_([*self.model.parameters(), *self.model.buffers()], "setup/broadcast_module")
+
+    def _attach(self) -> None:
+        self._detach()
+        assert self.model is not None
+        for position, optimizer in enumerate(map(_unwrap, self.optimizers)):
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise ValueError(
+                    f"{type(self).__name__} cannot drive LBFGS: it evaluates the closure several times per step. "
+                    "Use a first-order optimizer (SGD, AdamW, ...)."
+                )
+            if hasattr(optimizer, "consolidate_state_dict"):
+                raise ValueError(
+                    f"{type(self).__name__} cannot use the sharded optimizer {type(optimizer).__name__}: every rank "
+                    "keeps its full optimizer state. Use the plain optimizer it wraps."
+                )
+            if self.demo_config is not None:
+                if self.demo_config.update == "sign":
+                    message = warn_if_stateful(optimizer)
+                    if message:
+                        rank_zero_warn(message)
+                self._exchanges[id(optimizer)] = DeMoExchange(optimizer, self.demo_config, self.communicator)
+            if self.desloc_config is not None:
+                buffers = list(self.model.buffers()) if position == 0 else []
+                self._averagers[id(optimizer)] = DesLocAverager(optimizer, self.desloc_config, self.communicator, buffers)
+
+    def _detach(self) -> None:
+        for exchange in self._exchanges.values():
+            exchange.remove()
+        self._exchanges, self._averagers = {}, {}
+
+    @override
+    def teardown(self) -> None:
+        for exchange in self._exchanges.values():
+            exchange.remove()
+        super().teardown()
+
+    # ------------------------------------------------------------------ step
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        raw = _unwrap(optimizer)
+        exchange, averager = self._exchanges.get(id(raw)), self._averagers.get(id(raw))
+        if exchange is None and averager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        closure_result = closure()  # forward + backward of the last micro-batch
+        self.ledger.begin_step()
+        try:
+            if exchange is not None:
+                exchange.step()
+            elif averager is not None:
+                averager.before_step()
+            try:
+                output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
+            finally:
+                if exchange is not None:
+                    exchange.restore_state()
+            if averager is not None:
+                averager.after_step()
+        finally:
+            n_trainable = sum(p.numel() for g in raw.param_groups for p in g["params"] if p.requires_grad)
+            self.last_traffic = self.ledger.end_step(ddp_bytes_per_step(n_trainable, self.communicator.world_size))
+        self._log_traffic(self.last_traffic)
+        return output
+
+    def _log_traffic(self, traffic: StepTraffic) -> None:
+        module = self.lightning_module
+        if module is None or module._trainer is None:
+            return
+        module.log_dict(
+            {
+                "comm/bytes_sent_per_step": float(traffic.sent_bytes),
+                "comm/bytes_received_per_step": float(traffic.received_bytes),
+                "comm/ratio_vs_ddp": float(traffic.ratio_vs_ddp),
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+            sync_dist=False,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def _local_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's own part of ``optimizer``'s training state."""
+        local: dict[str, Any] = {}
+        exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
+        if exchange is not None:
+            local["demo_momentum"] = exchange.local_state()
+        if averager is not None:
+            state = optimizer.state_dict()
+            local["optimizer"] = {**state, "state": _without_demo(state["state"])}
+            local["desloc"] = averager.state_dict()
+            local["params"] = [p.detach().clone() for p in averager.parameters()]
+            local["buffers"] = [b.detach().clone() for b in averager.buffers]
+        return local
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Rank 0's optimizer state dict plus every rank's own state (a collective: all ranks call it)."""
+        optimizer = _unwrap(optimizer)
+        state = super().optimizer_state(optimizer)
+        if id(optimizer) not in self._exchanges and id(optimizer) not in self._averagers:
+            return state
+        gathered = self.communicator.all_gather_object(self._local_state(optimizer), "checkpoint/per_rank_state")
+        return {
+            **state,
+            "state": _without_demo(state["state"]),
+            _CHECKPOINT_KEY: {"world_size": self.communicator.world_size, "per_rank": gathered},
+        }
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        optimizer_states = checkpoint["optimizer_states"]
+        extras = [s.get(_CHECKPOINT_KEY) if isinstance(s, dict) else None for s in optimizer_states]
+        stripped = [{k: v for k, v in s.items() if k != _CHECKPOINT_KEY} if isinstance(s, dict) else s for s in optimizer_states]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": stripped})
+        world, rank = self.communicator.world_size, self.communicator.rank
+        for optimizer, extra in zip(map(_unwrap, self.optimizers), extras):
+            if extra is None:
+                continue
+            mine = extra["per_rank"][rank] if extra["world_size"] == world else None
+            if mine is None:
+                rank_zero_warn(
+                    f"The checkpoint's per-worker state comes from {extra['world_size']} workers, this run has {world}: "
+                    "parameters and rank 0's optimizer state are restored; DeMo momenta restart from zero and the "
+                    "DES-LOC schedule from rank 0's position."
+                )
+            self._restore_local(optimizer, mine, extra["per_rank"][0])
+
+    def _restore_local(self, optimizer: Optimizer, mine: Optional[dict[str, Any]], rank0: dict[str, Any]) -> None:
+        exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
+        if averager is not None and "desloc" in rank0:
+            source = mine if mine is not None else rank0
+            if mine is not None:
+                optimizer.load_state_dict(mine["optimizer"])
+                with torch.no_grad():
+                    _copy_all(averager.parameters(), mine["params"], "parameters")
+                    _copy_all(averager.buffers, mine["buffers"], "buffers")
+            averager.load_state_dict(source["desloc"])
+        if exchange is not None:
+            if mine is not None and "demo_momentum" in mine:
+                exchange.load_local_state(mine["demo_momentum"])
+            else:
+                exchange.clear_state()
+
+
+def _without_demo(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    return {index: {k: v for k, v in s.items() if k != DEMO_STATE_KEY} for index, s in state.items()}
+
+
+def _copy_all(targets: list[Tensor], sources: list[Tensor], what: str) -> None:
+    if len(targets) != len(sources) or any(t.shape != s.shape for t, s in zip(targets, sources)):
+        raise ValueError(
+            f"the checkpoint's per-worker {what} do not match this model ({len(sources)} saved, {len(targets)} here, "
+            "or different shapes): it comes from a different model"
+        )
+    for t, s in zip(targets, sources):
+        t.copy_(s)
