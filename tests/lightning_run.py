@@ -28,6 +28,7 @@ class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.param_hashes: list[list[str]] = []
         self.momentum_hashes: list[list[str]] = []
+        self.state_hashes: list[dict[str, list[str]]] = []
         self.losses: list[float] = []
         self.comm: list[dict[str, float]] = []
 
@@ -36,6 +37,9 @@ class Recorder(pl.Callback):
         self.param_hashes.append([tensor_hash(p) for p in pl_module.parameters()])
         self.momentum_hashes.append(
             [tensor_hash(opt.state[p][DEMO_STATE_KEY]) for p in pl_module.parameters() if DEMO_STATE_KEY in opt.state[p]]
+        )
+        self.state_hashes.append(
+            {key: [tensor_hash(opt.state[p][key]) for p in pl_module.parameters() if key in opt.state[p]] for key in ("exp_avg", "exp_avg_sq")}
         )
         self.losses.append(float(outputs["loss"]))
         self.comm.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")})
@@ -51,6 +55,7 @@ def main() -> None:
     p.add_argument("--ckpt-out", default=None)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--strategy", default="demo", choices=["demo", "desloc"])
     p.add_argument("--strategy-json", default="{}")
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--rank-seeded-init", action="store_true", help="initialise the model differently on every rank")
@@ -62,7 +67,11 @@ def main() -> None:
     model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=args.optimizer, lr=1e-2, warmup_steps=2, max_steps=100)
     initial = {n: t.detach().clone() for n, t in model.named_parameters()}
     data = TextDataModule(block_size=32, batch_size=8, max_bytes=args.max_bytes, max_val_bytes=2_000)
-    strategy = demo_lightning.DeMoStrategy(timeout=60, dense_below=100, **json.loads(args.strategy_json))
+    options = json.loads(args.strategy_json)
+    if args.strategy == "demo":
+        strategy: pl.strategies.Strategy = demo_lightning.DeMoStrategy(timeout=60, dense_below=100, **options)
+    else:
+        strategy = demo_lightning.DesLocStrategy(timeout=60, **options)
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.max_epochs,
@@ -74,7 +83,7 @@ def main() -> None:
     if args.ckpt_out:
         trainer.save_checkpoint(args.ckpt_out)
     opt = trainer.optimizers[0]
-    stats = trainer.strategy.last_stats
+    stats = getattr(trainer.strategy, "last_stats", None)
     result = {
         "initial_params": initial,
         "rank": trainer.global_rank,
@@ -82,10 +91,18 @@ def main() -> None:
         "exchanges": stats.steps if stats else 0,
         "param_hashes": recorder.param_hashes,
         "momentum_hashes": recorder.momentum_hashes,
+        "state_hashes": recorder.state_hashes,
         "losses": recorder.losses,
         "comm": recorder.comm,
         "params": {n: t.detach().clone() for n, t in model.named_parameters()},
         "momenta": {i: opt.state[q][DEMO_STATE_KEY].clone() for i, q in enumerate(model.parameters()) if DEMO_STATE_KEY in opt.state[q]},
+        "opt_state": {
+            (i, key): value.clone()
+            for i, q in enumerate(model.parameters())
+            for key, value in opt.state[q].items()
+            if isinstance(value, torch.Tensor)
+        },
+        "syncs": [dict(a.stats.syncs) for a in trainer.strategy.averagers],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

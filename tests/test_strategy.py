@@ -170,3 +170,49 @@ def test_resume_continues_bitwise_identically_on_every_rank(tmp_path: Path, opti
         assert any(not torch.equal(h["params"][n], t) for n, t in f["params"].items())
         assert any(not torch.equal(h["momenta"][i], t) for i, t in f["momenta"].items())
     assert not torch.equal(full[0]["momenta"][0], full[1]["momenta"][0])  # each rank got its own back
+
+
+def test_desloc_strategy_is_registered_and_validates() -> None:
+    from demo_lightning import DesLocStrategy
+
+    assert isinstance(_trainer(strategy="desloc").strategy, DesLocStrategy)
+    with pytest.raises(ValueError, match="param_sync_every"):
+        DesLocStrategy(param_sync_every=0)
+    with pytest.raises(ValueError, match="step"):
+        DesLocStrategy(state_sync_every={"step": 4})
+
+
+K_X, K_U, K_V = 5, 10, 20
+DESLOC = [
+    "--strategy", "desloc", "--optimizer", "adamw", "--max-bytes", "30000",
+    "--strategy-json", json.dumps({"param_sync_every": K_X, "state_sync_every": {"exp_avg": K_U, "exp_avg_sq": K_V}}),
+]
+
+
+def test_desloc_fit_syncs_on_schedule_and_resumes_between_syncs_bitwise(tmp_path: Path) -> None:
+    ckpt = tmp_path / "half.ckpt"
+    full = _fit(tmp_path / "full", "--max-epochs", "2", *DESLOC)
+    half = _fit(tmp_path / "half", "--max-epochs", "1", "--ckpt-out", str(ckpt), *DESLOC)
+    resumed = _fit(tmp_path / "resumed", "--max-epochs", "2", "--ckpt-in", str(ckpt), *DESLOC)
+    steps = half[0]["global_step"]
+    assert steps % K_X != 0, "the checkpoint must fall between two parameter syncs"
+    # between syncs the replicas differ, at syncs they agree
+    for t, (a, b) in enumerate(zip(full[0]["param_hashes"], full[1]["param_hashes"]), start=1):
+        assert (a == b) == (t % K_X == 0), t
+    for t, (a, b) in enumerate(zip(full[0]["state_hashes"], full[1]["state_hashes"]), start=1):
+        if t % K_U == 0:
+            assert a["exp_avg"] == b["exp_avg"], t
+        if t % K_V == 0:
+            assert a["exp_avg_sq"] == b["exp_avg_sq"], t
+    assert half[0]["params"]["model.tok.weight"].ne(half[1]["params"]["model.tok.weight"]).any()
+    total = full[0]["global_step"]
+    assert full[0]["syncs"] == [{"params": total // K_X, "state/exp_avg": total // K_U, "state/exp_avg_sq": total // K_V}]
+    for rank in range(2):
+        f, r = full[rank], resumed[rank]
+        for name, tensor in f["params"].items():
+            assert torch.equal(tensor, r["params"][name]), (rank, name)
+        assert f["opt_state"].keys() == r["opt_state"].keys()
+        for key, tensor in f["opt_state"].items():
+            assert torch.equal(tensor, r["opt_state"][key]), (rank, key)
+        assert f["losses"][steps:] == r["losses"]
+        assert f["syncs"] == r["syncs"]

@@ -310,6 +310,7 @@ class DesLocAverager:
         self._sync(names)
         return names
 
+    @torch.no_grad()
     def _sync(self, names: list[str]) -> None:
         writes: list[tuple[list[Optional[Tensor]], list[Tensor]]] = []
         for name in names:
