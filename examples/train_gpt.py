@@ -42,7 +42,7 @@ class StepTimer(pl.Callback):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", choices=["demo", "ddp"], default="demo")
+    p.add_argument("--strategy", choices=["demo", "ddp", "desloc"], default="demo")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16)
@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--value-format", default="bf16")
     p.add_argument("--selection", default="topk")
     p.add_argument("--update", default="sign")
+    p.add_argument("--param-sync-every", type=int, default=None, help="DES-LOC parameter period (desloc: default 16)")
+    p.add_argument("--state-sync-every", default=None, help="DES-LOC state periods, e.g. exp_avg=48,exp_avg_sq=96")
     p.add_argument("--data-path", default=None, help="your own text file or folder (default: the stdlib sources)")
     p.add_argument("--max-bytes", type=int, default=8_000_000)
     p.add_argument("--val-check-interval", type=int, default=100)
@@ -83,11 +85,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lr=lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
     )
     data = TextDataModule(path=args.data_path, block_size=args.block_size, batch_size=args.batch_size, max_bytes=args.max_bytes)
+    states = None
+    if args.state_sync_every:
+        states = {k: int(v) for k, v in (item.split("=") for item in args.state_sync_every.split(","))}
     if args.strategy == "demo":
         strategy: Any = demo_lightning.DeMoStrategy(
             chunk=args.chunk, topk=args.topk, keep_ratio=args.keep_ratio, decay=args.decay,
             selection=args.selection, value_format=args.value_format, update=args.update,
+            param_sync_every=args.param_sync_every, state_sync_every=states,
         )
+    elif args.strategy == "desloc":
+        strategy = demo_lightning.DesLocStrategy(param_sync_every=args.param_sync_every or 16, state_sync_every=states)
     else:
         strategy = "ddp"
     name = args.name or f"gpt_{args.strategy}"
@@ -111,21 +119,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "n_trainable": n_trainable, "final_val_loss": val_loss, "step_time_s": step_time,
         "ddp_bytes_per_step": ddp_bytes,
     }
-    if isinstance(trainer.strategy, demo_lightning.DeMoStrategy):
-        stats = trainer.strategy.last_stats
-        assert stats is not None
+    strat = trainer.strategy
+    if isinstance(strat, demo_lightning.strategies.CommunicationStrategy):
+        ledger = strat.ledger
         summary.update(
-            bytes_sent_per_step=stats.sent_bytes, bytes_received_per_step=stats.received_bytes,
-            ratio_vs_ddp=stats.ratio_vs_ddp, exchange_share=stats.total_seconds / max(1e-12, sum(timer.seconds)),
-            exchange_comm_share=stats.total_comm_seconds / max(1e-12, sum(timer.seconds)),
-            config=vars(trainer.strategy.demo_config),
+            bytes_sent_per_step=ledger.steps_sent_bytes / max(1, ledger.steps),
+            bytes_received_per_step=ledger.steps_received_bytes / max(1, ledger.steps),
+            ratio_vs_ddp=ledger.cumulative_ratio_vs_ddp,
+            bytes_by_tag={tag: t.sent_bytes for tag, t in ledger.totals.items()},
         )
+        if isinstance(strat, demo_lightning.DeMoStrategy) and strat.last_stats is not None:
+            stats = strat.last_stats
+            summary.update(
+                exchange_share=stats.total_seconds / max(1e-12, sum(timer.seconds)),
+                exchange_comm_share=stats.total_comm_seconds / max(1e-12, sum(timer.seconds)),
+                config=vars(strat.demo_config),
+            )
+        if strat.averagers:
+            summary["desloc_syncs"] = dict(strat.averagers[0].stats.syncs)
+            summary["desloc_periods"] = {"params": strat.desloc_config.param_sync_every, **strat.averagers[0].state_periods}
     else:
         summary.update(bytes_sent_per_step=ddp_bytes, bytes_received_per_step=ddp_bytes, ratio_vs_ddp=1.0)
     if trainer.is_global_zero:
         print(f"\n== {name}: {world} workers, {trainer.global_step} optimizer steps, {n_trainable:,} parameters ==")
         print(f"validation loss          {val_loss:.4f} nats/byte")
-        print(f"bytes sent per step      {summary['bytes_sent_per_step']:,.0f} per worker (DDP: {ddp_bytes:,.0f})")
+        print(f"bytes sent per step      {summary['bytes_sent_per_step']:,.0f} per worker, mean over steps (DDP: {ddp_bytes:,.0f})")
         print(f"ratio vs DDP             {summary['ratio_vs_ddp']:.1f}x fewer bytes")
         print(f"step time                {step_time * 1000:.1f} ms")
         if "exchange_share" in summary:

@@ -272,3 +272,44 @@ def test_sync_with_a_lost_peer_raises_within_the_timeout_and_keeps_local_state(t
     assert r1["raised"] is not None, r1  # its partner is gone by the time it arrives
     for r in (r0, r1):
         assert r["unchanged"] and r["step_count"] == 0
+
+
+def _compressed(rank: int, world: int, codec: dict, steps: int) -> dict[str, Any]:
+    from demo_lightning.algorithms import CodecConfig
+
+    out = {}
+    for mode in ("exact", "compressed"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        comm = Communicator()
+        config = DesLocConfig(param_sync_every=2, state_sync_every={}, compress_params=mode == "compressed", codec=CodecConfig(**codec))
+        avg = DesLocAverager(opt, config, comm)
+        hashes = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            opt.zero_grad()
+            model(torch.randn(8, 64, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            avg.after_step()
+            hashes.append([tensor_hash(p) for p in model.parameters()])
+        tag = "desloc/params" if mode == "exact" else "desloc/params_compressed"
+        sent = sum(t.sent_bytes for name, t in comm.ledger.totals.items() if name.startswith(tag))
+        out[mode] = {"params": [p.detach().clone() for p in model.parameters()], "hashes": hashes, "sent": sent}
+    return out
+
+
+def test_compressed_parameter_sync_keeps_replicas_identical_and_saves_bytes(tmp_path: Path) -> None:
+    r0, r1 = run_workers(_compressed, 2, tmp_path, {"topk": 64, "dense_below": 200}, 8)
+    for t in range(2, 9, 2):
+        assert r0["compressed"]["hashes"][t - 1] == r1["compressed"]["hashes"][t - 1]
+    assert r0["compressed"]["sent"] < r0["exact"]["sent"] / 10
+    # lossy: close to, but not equal to, exact averaging
+    drift = max(float((a - b).abs().max()) for a, b in zip(r0["compressed"]["params"], r0["exact"]["params"]))
+    assert 0 < drift < 0.05
+
+
+def test_compressed_parameter_sync_keeping_everything_is_exact_averaging(tmp_path: Path) -> None:
+    r0, _ = run_workers(_compressed, 2, tmp_path, {"keep_ratio": 1.0, "value_format": "fp32", "dense_below": 200}, 4)
+    for a, b in zip(r0["compressed"]["params"], r0["exact"]["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

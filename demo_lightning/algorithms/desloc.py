@@ -195,7 +195,19 @@ class DesLocAverager:
         self._codec = CompressedMean(self.config.codec, self.comm) if self.config.compress_params else None
         self._anchor: list[Tensor] = []
         self._residual: list[Tensor] = []
+        if self._codec is not None:
+            self.reset_anchor()
         self._hooks: list[Any] = []
+
+    def reset_anchor(self) -> None:
+        """Take the current parameters as the last synced point (compressed sync only).
+
+        Called on construction, so build the averager while the replicas are identical (right after
+        the initial broadcast); every rank must call it at the same point.
+        """
+        params = self.parameters()
+        self._anchor = [p.detach().clone() for p in params]
+        self._residual = [torch.zeros_like(p) for p in params]
 
     # ------------------------------------------------------------------ wiring
     def parameters(self) -> list[Tensor]:
@@ -357,9 +369,6 @@ class DesLocAverager:
 
     def _compressed_param_sync(self, params: list[Tensor]) -> list[tuple[list[Optional[Tensor]], list[Tensor]]]:
         assert self._codec is not None
-        if not self._anchor:
-            self._anchor = [p.detach().clone() for p in params]
-            self._residual = [torch.zeros_like(p) for p in params]
         deltas = [p.detach() - a + e for p, a, e in zip(params, self._anchor, self._residual)]
         means, sent = self._codec(deltas, "desloc/params_compressed")
         new_anchor = [a + m.to(a.dtype) for a, m in zip(self._anchor, means)]
@@ -383,8 +392,8 @@ class DesLocAverager:
         if "anchor" in state:
             self._anchor = [a.to(p.device, p.dtype).clone() for a, p in zip(state["anchor"], params)]
             self._residual = [e.to(p.device, p.dtype).clone() for e, p in zip(state["residual"], params)]
-        else:
-            self._anchor, self._residual = [], []
+        elif self._codec is not None:
+            self.reset_anchor()
 
 
 def module_float_buffers(module: nn.Module) -> list[Tensor]:

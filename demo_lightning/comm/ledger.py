@@ -121,6 +121,9 @@ class ByteLedger:
     step_records: list[CollectiveRecord] = field(default_factory=list)
     last_step: StepTraffic | None = None
     steps: int = 0
+    steps_sent_bytes: float = 0.0
+    steps_received_bytes: float = 0.0
+    steps_ddp_bytes: float = 0.0
     _depth: int = 0
 
     def record(self, op: CollectiveOp, tag: str, payload_bytes: int, world_size: int, root: int = 0) -> CollectiveRecord:
@@ -156,7 +159,15 @@ class ByteLedger:
         if self._depth == 0:
             self.steps += 1
             self.last_step = traffic
+            self.steps_sent_bytes += traffic.sent_bytes
+            self.steps_received_bytes += traffic.received_bytes
+            self.steps_ddp_bytes += ddp_bytes
         return traffic
+
+    @property
+    def cumulative_ratio_vs_ddp(self) -> float:
+        """DDP's bytes over all closed steps divided by ours: the saving of a periodic schedule."""
+        return _ratio(self.steps_ddp_bytes, self.steps_sent_bytes)
 
     @property
     def total_sent_bytes(self) -> float:

@@ -198,6 +198,8 @@ class CommunicationStrategy(DDPStrategy):
         return output
 
     def _log_traffic(self, traffic: StepTraffic) -> None:
+        """Log this step's bytes and the ratio to DDP over all steps so far (periodic syncs make a
+        single step's ratio swing between infinity and a fraction)."""
         module = self.lightning_module
         if module is None or module._trainer is None:
             return
@@ -205,7 +207,7 @@ class CommunicationStrategy(DDPStrategy):
             {
                 "comm/bytes_sent_per_step": float(traffic.sent_bytes),
                 "comm/bytes_received_per_step": float(traffic.received_bytes),
-                "comm/ratio_vs_ddp": float(traffic.ratio_vs_ddp),
+                "comm/ratio_vs_ddp": float(self.ledger.cumulative_ratio_vs_ddp),
             },
             on_step=True,
             on_epoch=False,
