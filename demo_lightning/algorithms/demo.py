@@ -37,7 +37,7 @@ tensors changes; a mismatch raises ``RuntimeError`` on every rank before any exc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
@@ -104,15 +104,11 @@ class DeMoConfig:
 
 @dataclass
 class ExchangeStats:
-    """What the last exchange did on this worker."""
+    """What the exchanges of this worker did: the last one, and running totals."""
 
+    traffic: StepTraffic = field(default_factory=lambda: StepTraffic(0.0, 0.0, 0, 0, 0.0))
     seconds: float = 0.0
     comm_seconds: float = 0.0
-    sent_bytes: float = 0.0
-    received_bytes: float = 0.0
-    payload_bytes: int = 0
-    ddp_bytes: float = 0.0
-    collectives: int = 0
     coefficients: int = 0
     n_trainable: int = 0
     steps: int = 0
@@ -120,8 +116,20 @@ class ExchangeStats:
     total_comm_seconds: float = 0.0
 
     @property
+    def sent_bytes(self) -> float:
+        return self.traffic.sent_bytes
+
+    @property
+    def received_bytes(self) -> float:
+        return self.traffic.received_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.traffic.payload_bytes
+
+    @property
     def ratio_vs_ddp(self) -> float:
-        return StepTraffic(self.sent_bytes, self.received_bytes, self.payload_bytes, self.collectives, self.ddp_bytes).ratio_vs_ddp
+        return self.traffic.ratio_vs_ddp
 
 
 class DeMoExchange:
@@ -252,9 +260,7 @@ class DeMoExchange:
         seconds = time.perf_counter() - start
         comm_seconds = self.comm.seconds - comm_before
         st = self.stats
-        st.seconds, st.comm_seconds = seconds, comm_seconds
-        st.sent_bytes, st.received_bytes = traffic.sent_bytes, traffic.received_bytes
-        st.payload_bytes, st.ddp_bytes, st.collectives = traffic.payload_bytes, traffic.ddp_bytes, traffic.calls
+        st.traffic, st.seconds, st.comm_seconds = traffic, seconds, comm_seconds
         st.coefficients, st.n_trainable = self._codec.coefficients, n_trainable
         st.steps += 1
         st.total_seconds += seconds

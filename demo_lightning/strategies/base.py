@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -59,6 +60,16 @@ def _unwrap(optimizer: Any) -> Optimizer:
 
 class CommunicationStrategy(DDPStrategy):
     """Base of ``DeMoStrategy`` and ``DesLocStrategy`` (not registered itself)."""
+
+    strategy_name: str = ""
+    strategy_description: str = ""
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        # DDPStrategy's own would re-register the ddp* names; register only this class's name, once
+        if cls.strategy_name and cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description)
 
     def __init__(
         self,

@@ -26,10 +26,8 @@ from typing import Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from typing_extensions import override
 
 from demo_lightning.algorithms import DeMoConfig, ExchangeStats
 from demo_lightning.algorithms.desloc import DesLocConfig
@@ -68,6 +66,7 @@ class DeMoStrategy(CommunicationStrategy):
     """
 
     strategy_name = "demo"
+    strategy_description = "DeMo compressed momentum exchange instead of DDP's all-reduce"
 
     def __init__(
         self,
@@ -105,14 +104,6 @@ class DeMoStrategy(CommunicationStrategy):
             demo, desloc, process_group_backend, timeout, start_method,
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="DeMo compressed momentum exchange instead of DDP's all-reduce"
-            )
 
     @property
     def last_stats(self) -> Optional[ExchangeStats]:

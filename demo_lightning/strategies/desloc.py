@@ -18,10 +18,8 @@ from typing import Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from typing_extensions import override
 
 from demo_lightning.algorithms.compressed_mean import CodecConfig
 from demo_lightning.algorithms.desloc import DesLocConfig
@@ -58,6 +56,7 @@ class DesLocStrategy(CommunicationStrategy):
     """
 
     strategy_name = "desloc"
+    strategy_description = "DES-LOC: local steps, parameters and optimizer states averaged on their own periods"
 
     def __init__(
         self,
@@ -93,11 +92,3 @@ class DesLocStrategy(CommunicationStrategy):
             None, desloc, process_group_backend, timeout, start_method,
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="DES-LOC: local steps, parameters and optimizer states averaged on their own periods"
-            )
