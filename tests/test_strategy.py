@@ -216,3 +216,42 @@ def test_desloc_fit_syncs_on_schedule_and_resumes_between_syncs_bitwise(tmp_path
             assert torch.equal(tensor, r["opt_state"][key]), (rank, key)
         assert f["losses"][steps:] == r["losses"]
         assert f["syncs"] == r["syncs"]
+
+
+def test_demo_with_desloc_schedule_averages_the_residual_momenta_on_their_period(tmp_path: Path) -> None:
+    options = {"param_sync_every": 8, "state_sync_every": {"demo_momentum": 4}}
+    ranks = _fit(tmp_path, "--max-bytes", "20000", "--strategy-json", json.dumps(options))
+    a, b = ranks[0]["momentum_hashes"], ranks[1]["momentum_hashes"]
+    for t, (ha, hb) in enumerate(zip(a, b), start=1):
+        assert (ha == hb) == (t % 4 == 0), t
+    assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
+    total = ranks[0]["global_step"]
+    assert ranks[0]["syncs"] == [{"params": total // 8, "state/demo_momentum": total // 4}]
+
+
+def test_strategies_are_configurable_from_lightning_cli_yaml(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from demo_lightning import DesLocStrategy
+    from demo_lightning.data import TextDataModule
+    from demo_lightning.models import GPTLightningModule
+
+    config = tmp_path / "desloc.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 1\n"
+        "  strategy:\n"
+        "    class_path: demo_lightning.DesLocStrategy\n"
+        "    init_args: {param_sync_every: 16, state_sync_every: {exp_avg: 48, exp_avg_sq: 96}}\n"
+    )
+    cli = LightningCLI(GPTLightningModule, TextDataModule, run=False, args=["--config", str(config)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, DesLocStrategy)
+    assert strategy.desloc_config.param_sync_every == 16
+    assert strategy.desloc_config.state_periods == {"exp_avg": 48, "exp_avg_sq": 96}
+    demo = LightningCLI(
+        GPTLightningModule, TextDataModule, run=False,
+        args=["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "demo"],
+    )
+    assert isinstance(demo.trainer.strategy, DeMoStrategy)
