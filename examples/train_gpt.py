@@ -50,18 +50,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=192)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default=None, help="default: sgd for demo, adamw for ddp")
-    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 (demo, sign update) or 3e-3 (adamw)")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--keep-ratio", type=float, default=None)
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--decay", type=float, default=0.999)
-    p.add_argument("--value-format", default="bf16")
+    p.add_argument("--decay", type=float, default=None, help="default: the strategy's (0.99)")
+    p.add_argument("--value-format", default=None, help="default: the strategy's (sign)")
     p.add_argument("--selection", default="topk")
     p.add_argument("--update", default="sign")
     p.add_argument("--param-sync-every", type=int, default=None, help="DES-LOC parameter period (desloc: default 16)")
     p.add_argument("--state-sync-every", default=None, help="DES-LOC state periods, e.g. exp_avg=48,exp_avg_sq=96")
+    p.add_argument("--compress-params", action="store_true", help="desloc: parameter syncs through the DeMo codec")
     p.add_argument("--data-path", default=None, help="your own text file or folder (default: the stdlib sources)")
     p.add_argument("--max-bytes", type=int, default=8_000_000)
     p.add_argument("--val-check-interval", type=int, default=100)
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     pl.seed_everything(args.seed, workers=True, verbose=False)
     optimizer = args.optimizer or ("sgd" if args.strategy == "demo" else "adamw")
-    lr = args.lr if args.lr is not None else 3e-3
+    lr = args.lr
     model = GPTLightningModule(
         block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, optimizer=optimizer,
         lr=lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
@@ -89,13 +90,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.state_sync_every:
         states = {k: int(v) for k, v in (item.split("=") for item in args.state_sync_every.split(","))}
     if args.strategy == "demo":
+        codec = {k: v for k, v in (("decay", args.decay), ("value_format", args.value_format)) if v is not None}
         strategy: Any = demo_lightning.DeMoStrategy(
-            chunk=args.chunk, topk=args.topk, keep_ratio=args.keep_ratio, decay=args.decay,
-            selection=args.selection, value_format=args.value_format, update=args.update,
-            param_sync_every=args.param_sync_every, state_sync_every=states,
+            chunk=args.chunk, topk=args.topk, keep_ratio=args.keep_ratio, selection=args.selection,
+            update=args.update, param_sync_every=args.param_sync_every, state_sync_every=states, **codec,
         )
     elif args.strategy == "desloc":
-        strategy = demo_lightning.DesLocStrategy(param_sync_every=args.param_sync_every or 16, state_sync_every=states)
+        strategy = demo_lightning.DesLocStrategy(
+            param_sync_every=args.param_sync_every or 16, state_sync_every=states, compress_params=args.compress_params,
+            chunk=args.chunk, topk=args.topk, keep_ratio=args.keep_ratio, value_format=args.value_format or "sign",
+        )
     else:
         strategy = "ddp"
     name = args.name or f"gpt_{args.strategy}"
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 config=vars(strat.demo_config),
             )
         if strat.averagers:
+            summary["compress_params"] = strat.desloc_config.compress_params
             summary["desloc_syncs"] = dict(strat.averagers[0].stats.syncs)
             summary["desloc_periods"] = {"params": strat.desloc_config.param_sync_every, **strat.averagers[0].state_periods}
     else:

@@ -34,7 +34,7 @@ def test_world_size_one_equals_direct_computation() -> None:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(128, 192, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0))
+    exchange = DeMoExchange(opt, DeMoConfig(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0, value_format="bf16"))
     m = np.zeros((128, 192))
     for _ in range(3):
         g = torch.randn_like(weight)

@@ -64,7 +64,7 @@ def _train(rank: int, world: int, steps: int, same_data: bool, config: dict, bra
 
 
 CONFIGS = {
-    "topk-bf16": {"topk": 8, "dense_below": 100},
+    "topk-bf16": {"topk": 8, "dense_below": 100, "value_format": "bf16"},
     "topk-int8": {"topk": 8, "dense_below": 100, "value_format": "int8"},
     "topk-sign": {"keep_ratio": 0.05, "dense_below": 100, "value_format": "sign", "update": "raw"},
     "lowpass-fp32": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "fp32"},

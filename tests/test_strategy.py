@@ -69,7 +69,8 @@ def test_registered_name_builds_the_strategy() -> None:
     assert "demo" in StrategyRegistry
     trainer = _trainer(strategy="demo")
     assert isinstance(trainer.strategy, DeMoStrategy)
-    assert trainer.strategy.demo_config.strength == (32, None)
+    assert trainer.strategy.demo_config.strength == (64, None)
+    assert (trainer.strategy.demo_config.value_format, trainer.strategy.demo_config.decay) == ("sign", 0.99)
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,7 @@ from demo_lightning.comm import Communicator
 
 __all__ = ["DEFAULT_TOPK", "CodecConfig", "CompressedMean", "compute_dtype"]
 
-DEFAULT_TOPK = 32
+DEFAULT_TOPK = 64
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,8 +70,8 @@ class CodecConfig:
 
     Args:
         chunk: tile side: 2-D views are cut into ``chunk`` x ``chunk`` tiles, 1-D into ``chunk``-long ones.
-        topk: coefficients kept per tile (clamped to the tile size); 32 when neither this nor
-            ``keep_ratio`` is given (the paper: 32 of 4096 = 0.78 %).
+        topk: coefficients kept per tile (clamped to the tile size); 64 when neither this nor
+            ``keep_ratio`` is given (1.6 % of a 64x64 tile; the paper used 32 with fp32 values).
         keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
         selection: ``"topk"`` (largest magnitudes, positions sent) or ``"lowpass"`` (fixed lowest
             frequencies, no positions; all-reduced when ``value_format`` is a float format).
@@ -84,7 +84,7 @@ class CodecConfig:
     topk: Optional[int] = None
     keep_ratio: Optional[float] = None
     selection: Literal["topk", "lowpass"] = "topk"
-    value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "bf16"
+    value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign"
     dense_below: int = 4096
     bucket_cap_mb: float = 25.0
 

@@ -42,7 +42,7 @@ class DeMoStrategy(CommunicationStrategy):
 
     Args:
         chunk: DCT tile side (2-D views in ``chunk`` x ``chunk`` tiles, 1-D in ``chunk``-long chunks).
-        topk: coefficients kept per tile; default 32 if neither ``topk`` nor ``keep_ratio`` is given.
+        topk: coefficients kept per tile; default 64 if neither ``topk`` nor ``keep_ratio`` is given.
         keep_ratio: fraction of each tile kept, in (0, 1]; give this or ``topk``, not both.
         decay: momentum decay in [0, 1).
         selection: ``"topk"`` (largest magnitudes) or ``"lowpass"`` (fixed lowest frequencies, no indices).
@@ -73,9 +73,9 @@ class DeMoStrategy(CommunicationStrategy):
         chunk: int = 64,
         topk: Optional[int] = None,
         keep_ratio: Optional[float] = None,
-        decay: float = 0.999,
+        decay: float = 0.99,
         selection: Literal["topk", "lowpass"] = "topk",
-        value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "bf16",
+        value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign",
         update: Literal["sign", "raw"] = "sign",
         dense_below: int = 4096,
         bucket_cap_mb: float = 25.0,

@@ -41,7 +41,7 @@ class DesLocStrategy(CommunicationStrategy):
         compress_params: send each parameter sync's change since the last sync through the DeMo
             codec (with error feedback) instead of the full parameters.
         chunk: codec tile side (with ``compress_params``).
-        topk: codec coefficients per tile (with ``compress_params``; default 32).
+        topk: codec coefficients per tile (with ``compress_params``; default 64).
         keep_ratio: codec fraction per tile (with ``compress_params``; exclusive with ``topk``).
         value_format: codec value format (with ``compress_params``).
         bucket_cap_mb: largest payload per collective in megabytes.
@@ -67,7 +67,7 @@ class DesLocStrategy(CommunicationStrategy):
         chunk: int = 64,
         topk: Optional[int] = None,
         keep_ratio: Optional[float] = None,
-        value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "bf16",
+        value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign",
         bucket_cap_mb: float = 25.0,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = 1800.0,
