@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -202,9 +201,11 @@ def test_replicas_equal_after_each_sync_differ_between_and_recover_from_lost_sta
     n, buffers = r0["n"], 2 * 32
     per_param = 2 * (2 - 1) / 2 * 4
     total = sum(s["sent"] for s in r0["steps"])
-    # the one-off agreement on which keys to average (3 int64 values, first step) is the only other traffic
-    assert total == sum(r0["totals"].values()) and r0["totals"].pop("desloc/keys") == (2 - 1) * 3 * 8
-    total -= (2 - 1) * 3 * 8
+    # the only other traffic: one-off agreements on which keys (3 int64) and which tensors (1 + 3 per tensor) to average
+    assert total == sum(r0["totals"].values())
+    assert r0["totals"].pop("desloc/keys") == (2 - 1) * 3 * 8
+    assert r0["totals"].pop("desloc/layout") == (2 - 1) * (1 + 3 * (6 + 2)) * 8
+    total -= (2 - 1) * (3 + 1 + 3 * 8) * 8
     assert set(r0["totals"]) == {"desloc/params", "desloc/buffers", "desloc/state/exp_avg", "desloc/state/exp_avg_sq"}
     expected_total = per_param * (steps / k_x * (n + buffers) + steps / 6 * n + steps / 12 * n)
     assert total == pytest.approx(expected_total)

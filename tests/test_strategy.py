@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-import demo_lightning
 from demo_lightning import DeMoStrategy
 
 from dist_helpers import clean_env, free_port

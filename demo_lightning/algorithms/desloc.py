@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from demo_lightning.algorithms.compressed_mean import CodecConfig, CompressedMean
+from demo_lightning.algorithms.compressed_mean import CodecConfig, CompressedMean, compute_dtype
 from demo_lightning.comm import Communicator
 
 __all__ = [
@@ -192,6 +192,7 @@ class DesLocAverager:
         self.step_count = 0
         self.stats = SyncStats()
         self._periods: Optional[dict[str, int]] = None
+        self._layout_key: Optional[tuple] = None
         self._codec = CompressedMean(self.config.codec, self.comm) if self.config.compress_params else None
         self._anchor: list[Tensor] = []
         self._residual: list[Tensor] = []
@@ -247,15 +248,16 @@ class DesLocAverager:
     def _state_tensors(self, key: str) -> tuple[list[Tensor], list[Optional[Tensor]]]:
         """``(values to average, write-back targets)`` of ``key`` for every trainable parameter.
 
-        A parameter that has no such state on this worker (never had a gradient here) contributes
-        zeros and receives nothing, so every worker hands the collective the same sizes.
+        Values travel in the parameter's compute dtype (fp32 for half-precision parameters). A
+        parameter that has no such state on this worker (it never had a gradient here) contributes
+        zeros and receives nothing, so every worker hands the collectives the same sizes and dtypes.
         """
         values: list[Tensor] = []
         targets: list[Optional[Tensor]] = []
         for p in self.parameters():
             value = self.optimizer.state.get(p, {}).get(key)
             if value is None:
-                values.append(torch.zeros_like(p))
+                values.append(torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device=p.device))
                 targets.append(None)
                 continue
             if value.shape != p.shape:
@@ -263,7 +265,7 @@ class DesLocAverager:
                     f"optimizer state {key!r} has shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}; "
                     "only states shaped like their parameter can be averaged: remove it from state_sync_every"
                 )
-            values.append(value)
+            values.append(value.to(compute_dtype(p.dtype)))
             targets.append(value)
         return values, targets
 
@@ -322,8 +324,18 @@ class DesLocAverager:
         self._sync(names)
         return names
 
+    def _check_layout(self) -> None:
+        """Compare the averaged tensors' layout across ranks whenever it changes (one tiny all-gather)."""
+        tensors = [*self.parameters(), *self.buffers]
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        if key != self._layout_key:
+            fingerprint = [len(tensors)] + [v for t in tensors for v in (t.numel(), t.dim(), zlib.crc32(str(t.dtype).encode()))]
+            self.comm.check_same(fingerprint, "desloc/layout", "the parameters and buffers to average")
+            self._layout_key = key
+
     @torch.no_grad()
     def _sync(self, names: list[str]) -> None:
+        self._check_layout()
         writes: list[tuple[list[Optional[Tensor]], list[Tensor]]] = []
         for name in names:
             if name == "params":
