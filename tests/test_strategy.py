@@ -152,7 +152,7 @@ def test_two_process_bf16_mixed_fit_keeps_replicas_identical(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_resume_continues_bitwise_identically_on_every_rank(tmp_path: Path, optimizer: str) -> None:
-    extra = ["--optimizer", optimizer, "--strategy-json", json.dumps({"update": "sign" if optimizer == "sgd" else "raw"})]
+    extra = ["--optimizer", optimizer, "--max-bytes", "30000", "--strategy-json", json.dumps({"update": "sign" if optimizer == "sgd" else "raw"})]
     ckpt = tmp_path / "half.ckpt"
     full = _fit(tmp_path / "full", "--max-epochs", "2", *extra)
     half = _fit(tmp_path / "half", "--max-epochs", "1", "--ckpt-out", str(ckpt), *extra)
