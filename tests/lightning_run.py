@@ -8,6 +8,7 @@ logged comm metrics and its final tensors.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 from pathlib import Path
@@ -55,7 +56,8 @@ def main() -> None:
     p.add_argument("--ckpt-out", default=None)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--strategy", default="demo", choices=["demo", "desloc"])
+    p.add_argument("--strategy", default="demo", choices=["demo", "desloc", "ddp"])
+    p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--strategy-json", default="{}")
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--rank-seeded-init", action="store_true", help="initialise the model differently on every rank")
@@ -64,14 +66,16 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     if args.rank_seeded_init:  # Lightning's launcher sets LOCAL_RANK for the processes it starts
         torch.manual_seed(1 + int(os.environ.get("LOCAL_RANK", "0")))
-    model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=args.optimizer, lr=1e-2, warmup_steps=2, max_steps=100)
+    model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=args.optimizer, lr=1e-2, momentum=args.momentum, warmup_steps=2, max_steps=100)
     initial = {n: t.detach().clone() for n, t in model.named_parameters()}
     data = TextDataModule(block_size=32, batch_size=8, max_bytes=args.max_bytes, max_val_bytes=2_000)
     options = json.loads(args.strategy_json)
     if args.strategy == "demo":
         strategy: pl.strategies.Strategy = demo_lightning.DeMoStrategy(timeout=60, dense_below=100, **options)
-    else:
+    elif args.strategy == "desloc":
         strategy = demo_lightning.DesLocStrategy(timeout=60, **options)
+    else:
+        strategy = pl.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=60))
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.max_epochs,
@@ -102,7 +106,7 @@ def main() -> None:
             for key, value in opt.state[q].items()
             if isinstance(value, torch.Tensor)
         },
-        "syncs": [dict(a.stats.syncs) for a in trainer.strategy.averagers],
+        "syncs": [dict(a.stats.syncs) for a in getattr(trainer.strategy, "averagers", [])],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

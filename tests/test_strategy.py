@@ -255,3 +255,17 @@ def test_strategies_are_configurable_from_lightning_cli_yaml(tmp_path: Path) -> 
         args=["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "demo"],
     )
     assert isinstance(demo.trainer.strategy, DeMoStrategy)
+
+
+def test_desloc_with_every_period_one_matches_lightning_ddp_in_float64(tmp_path: Path) -> None:
+    common = ["--optimizer", "sgd", "--momentum", "0.9", "--precision", "64-true", "--max-bytes", "12000"]
+    ddp = _fit(tmp_path / "ddp", "--strategy", "ddp", *common)
+    desloc = _fit(
+        tmp_path / "desloc", "--strategy", "desloc", *common,
+        "--strategy-json", json.dumps({"param_sync_every": 1, "state_sync_every": {"momentum_buffer": 1}}),
+    )
+    assert ddp[0]["global_step"] == desloc[0]["global_step"] > 10
+    for name, tensor in ddp[0]["params"].items():
+        assert tensor.dtype == torch.float64
+        torch.testing.assert_close(desloc[0]["params"][name], tensor, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(desloc[1]["params"][name], tensor, rtol=1e-9, atol=1e-11)

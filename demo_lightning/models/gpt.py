@@ -92,6 +92,7 @@ class GPTLightningModule(pl.LightningModule):
         optimizer: ``"sgd"`` (plain SGD: the pairing for DeMo's sign update) or ``"adamw"``.
         lr: peak learning rate.
         weight_decay: decoupled weight decay (SGD's coupled decay equals it under a sign update).
+        momentum: SGD momentum (0 for DeMo's sign update, which brings its own momentum).
         warmup_steps: linear warm-up steps, then cosine decay to 10 % at ``max_steps``.
         max_steps: length of the cosine schedule (the Trainer's ``max_steps``).
     """
@@ -105,6 +106,7 @@ class GPTLightningModule(pl.LightningModule):
         optimizer: Literal["sgd", "adamw"] = "adamw",
         lr: float = 1e-3,
         weight_decay: float = 0.0,
+        momentum: float = 0.0,
         warmup_steps: int = 20,
         max_steps: int = 300,
     ) -> None:
@@ -138,7 +140,9 @@ class GPTLightningModule(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         hp = self.hparams
         if hp.optimizer == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+            opt: torch.optim.Optimizer = torch.optim.SGD(
+                self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum
+            )
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
 
