@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
 from demo_lightning.algorithms.compressed_mean import CodecConfig, CompressedMean, compute_dtype
@@ -55,7 +55,6 @@ __all__ = [
     "DesLocConfig",
     "default_state_periods",
     "half_life",
-    "module_float_buffers",
     "periods_from_betas",
 ]
 
@@ -407,7 +406,3 @@ class DesLocAverager:
         elif self._codec is not None:
             self.reset_anchor()
 
-
-def module_float_buffers(module: nn.Module) -> list[Tensor]:
-    """Floating-point buffers of ``module`` (BatchNorm statistics and the like)."""
-    return [b for b in module.buffers() if b.is_floating_point()]
