@@ -2,7 +2,9 @@
 
 Lightning's default launcher re-runs this script for every local rank; each rank writes
 ``rank{R}.pt`` into ``--out`` with per-step parameter and momentum hashes, per-step losses, the
-logged comm metrics and its final tensors.
+logged comm metrics and its final tensors. ``--nan-at STEP --nan-rank R`` makes rank R's loss NaN
+(``--nan-kind loss``) or one of its gradients inf (``--nan-kind grad``) at optimizer step STEP; a rank
+whose fit raises writes the message to ``rank{R}.error`` before re-raising.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import datetime
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +34,10 @@ class Recorder(pl.Callback):
         self.state_hashes: list[dict[str, list[str]]] = []
         self.losses: list[float] = []
         self.comm: list[dict[str, float]] = []
+        self.skipped: list[bool] = []
+        self.desloc_steps: list[list[int]] = []
+        self.global_steps: list[int] = []
+        self.lrs: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         opt = trainer.optimizers[0]
@@ -43,7 +49,33 @@ class Recorder(pl.Callback):
             {key: [tensor_hash(opt.state[p][key]) for p in pl_module.parameters() if key in opt.state[p]] for key in ("exp_avg", "exp_avg_sq")}
         )
         self.losses.append(float(outputs["loss"]))
-        self.comm.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")})
+        self.comm.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "guard/"))})
+        self.skipped.append(bool(getattr(trainer.strategy, "last_step_skipped", False)))
+        self.desloc_steps.append([a.step_count for a in getattr(trainer.strategy, "averagers", [])])
+        self.global_steps.append(trainer.global_step)
+        self.lrs.append(float(opt.param_groups[0]["lr"]))
+
+
+class PoisonedGPT(GPTLightningModule):
+    """The GPT whose loss (or one gradient) turns non-finite on one rank at one optimizer step."""
+
+    nan_at: Optional[int] = None
+    nan_rank: int = 1
+    nan_kind: str = "loss"
+
+    def _poison_now(self) -> bool:
+        return self.nan_at is not None and self.trainer.global_step == self.nan_at and self.trainer.global_rank == self.nan_rank
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.nan_kind == "loss" and self._poison_now():
+            loss = loss * float("nan")
+        return loss
+
+    def on_after_backward(self) -> None:
+        if self.nan_kind == "grad" and self._poison_now():
+            grad = next(p.grad for p in self.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
 
 
 def main() -> None:
@@ -60,16 +92,23 @@ def main() -> None:
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--strategy-json", default="{}")
     p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--nonfinite", default=None, choices=["skip", "raise"], help="strategy's nonfinite (default: its own)")
+    p.add_argument("--nan-at", type=int, default=None, help="optimizer step (0-based) at which to inject a non-finite value")
+    p.add_argument("--nan-rank", type=int, default=1)
+    p.add_argument("--nan-kind", default="loss", choices=["loss", "grad"])
     p.add_argument("--rank-seeded-init", action="store_true", help="initialise the model differently on every rank")
     args = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     if args.rank_seeded_init:  # Lightning's launcher sets LOCAL_RANK for the processes it starts
         torch.manual_seed(1 + int(os.environ.get("LOCAL_RANK", "0")))
-    model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=args.optimizer, lr=1e-2, momentum=args.momentum, warmup_steps=2, max_steps=100)
+    model = PoisonedGPT(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=args.optimizer, lr=1e-2, momentum=args.momentum, warmup_steps=2, max_steps=100)
+    model.nan_at, model.nan_rank, model.nan_kind = args.nan_at, args.nan_rank, args.nan_kind
     initial = {n: t.detach().clone() for n, t in model.named_parameters()}
     data = TextDataModule(block_size=32, batch_size=8, max_bytes=args.max_bytes, max_val_bytes=2_000)
     options = json.loads(args.strategy_json)
+    if args.nonfinite is not None:
+        options["nonfinite"] = args.nonfinite
     if args.strategy == "demo":
         strategy: pl.strategies.Strategy = demo_lightning.DeMoStrategy(timeout=60, dense_below=100, **options)
     elif args.strategy == "desloc":
@@ -83,7 +122,13 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )
-    trainer.fit(model, datamodule=data, ckpt_path=args.ckpt_in)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=args.ckpt_in)
+    except Exception as error:
+        (out / f"rank{trainer.global_rank}.error").write_text(f"{type(error).__name__}: {error}")
+        raise
     if args.ckpt_out:
         trainer.save_checkpoint(args.ckpt_out)
     opt = trainer.optimizers[0]
@@ -98,6 +143,11 @@ def main() -> None:
         "state_hashes": recorder.state_hashes,
         "losses": recorder.losses,
         "comm": recorder.comm,
+        "skipped": recorder.skipped,
+        "desloc_steps": recorder.desloc_steps,
+        "global_steps": recorder.global_steps,
+        "lrs": recorder.lrs,
+        "skipped_steps": getattr(trainer.strategy, "skipped_steps", None),
         "params": {n: t.detach().clone() for n, t in model.named_parameters()},
         "momenta": {i: opt.state[q][DEMO_STATE_KEY].clone() for i, q in enumerate(model.parameters()) if DEMO_STATE_KEY in opt.state[q]},
         "opt_state": {
@@ -108,8 +158,6 @@ def main() -> None:
         },
         "syncs": [dict(a.stats.syncs) for a in getattr(trainer.strategy, "averagers", [])],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
 

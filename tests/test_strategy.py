@@ -7,12 +7,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from demo_lightning import DeMoStrategy
@@ -20,19 +19,6 @@ from demo_lightning import DeMoStrategy
 from dist_helpers import clean_env, free_port
 
 HERE = Path(__file__).parent
-
-
-@pytest.fixture
-def isolated_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """In-process fits init a process group and set rank variables; undo both afterwards."""
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for key in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        os.environ.pop(key, None)
 
 
 class _Classifier(pl.LightningModule):

@@ -28,6 +28,7 @@ cannot complete raises after the process group's timeout.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -43,6 +44,7 @@ from demo_lightning.codec import (
     dct2,
     from_tiles,
     idct2,
+    lowpass_order,
     pack_segment,
     plan_tiles,
     segment_nbytes,
@@ -53,7 +55,7 @@ from demo_lightning.codec import (
 )
 from demo_lightning.comm import Communicator
 
-__all__ = ["DEFAULT_TOPK", "CodecConfig", "CompressedMean", "compute_dtype"]
+__all__ = ["DEFAULT_TOPK", "CodecConfig", "CompressedMean", "TensorCodec", "TensorEnergy", "compute_dtype"]
 
 DEFAULT_TOPK = 64
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -118,6 +120,70 @@ class CodecConfig:
         return self.selection == "lowpass" and self.value_format in _WIRE_DTYPES
 
 
+@dataclass(frozen=True)
+class TensorCodec:
+    """One tensor's departures from the :class:`CodecConfig` (``None`` fields inherit it).
+
+    Per-layer policies and the adaptive keep ratio set these; every rank must set the same ones
+    (the plan's fingerprint, compared across ranks whenever it changes, includes them).
+
+    Args:
+        topk: coefficients kept per tile for this tensor.
+        keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
+        chunk: tile side for this tensor.
+        dense: ``True`` sends the whole tensor by an fp32 all-reduce, ``False`` compresses it
+            even below ``dense_below``.
+    """
+
+    topk: Optional[int] = None
+    keep_ratio: Optional[float] = None
+    chunk: Optional[int] = None
+    dense: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        validate_strength(self.topk, self.keep_ratio)
+        if self.chunk is not None and (isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1):
+            raise ValueError(f"chunk must be a positive integer (tile side), got {self.chunk!r}")
+        if self.dense is not None and not isinstance(self.dense, bool):
+            raise ValueError(f"dense must be True, False or None, got {self.dense!r}")
+
+    def strength(self, config: CodecConfig) -> tuple[Optional[int], Optional[float]]:
+        """``(topk, keep_ratio)`` for this tensor."""
+        if self.topk is None and self.keep_ratio is None:
+            return config.strength
+        return self.topk, self.keep_ratio
+
+
+@dataclass(frozen=True)
+class TensorEnergy:
+    """How much of one input's energy (squared L2 norm) the codec kept, on this worker.
+
+    The DCT is orthonormal and padding is zero, so ``total`` is both ``||x||^2`` and the energy of
+    all coefficients; ``captured`` is that of the selected coefficients before quantisation.
+    ``curve[k - 1]`` (only when requested) is the fraction of ``total`` the best ``k`` coefficients
+    per tile would keep (for ``"lowpass"``: the ``k`` lowest frequencies), for ``k = 1..tile_numel``.
+    """
+
+    total: float
+    captured: float
+    k: int
+    tile_numel: int
+    n_tiles: int
+    curve: Optional[Tensor] = None
+
+    @property
+    def fraction(self) -> float:
+        """Captured fraction of the energy (1 for an all-zero input, which loses nothing)."""
+        return self.captured / self.total if self.total > 0 else 1.0
+
+    def k_for(self, target: float) -> int:
+        """Smallest ``k`` whose curve reaches ``target`` (the largest ``k`` if none does)."""
+        if self.curve is None:
+            raise ValueError("this TensorEnergy has no curve: pass energy_curve=True to CompressedMean")
+        hit = torch.nonzero(self.curve >= target - 1e-12)
+        return int(hit[0, 0]) + 1 if hit.numel() else int(self.curve.numel())
+
+
 @dataclass
 class _Item:
     """One input tensor's place in the plan."""
@@ -164,21 +230,37 @@ class CompressedMean:
         self._plan: Optional[_Plan] = None
         self._plan_key: Optional[tuple] = None
         self.coefficients = 0
+        self.last_energy: list[TensorEnergy] = []
 
-    def _build_plan(self, tensors: list[Tensor]) -> _Plan:
+    def layout(self, shape: tuple[int, ...], override: Optional[TensorCodec] = None) -> tuple[Optional[TileLayout], int]:
+        """``(tiles, k)`` for a tensor of ``shape``: ``(None, 0)`` when it is sent densely."""
         cfg = self.config
-        topk, keep_ratio = cfg.strength
+        own = override if override is not None else _INHERIT
+        numel = math.prod(shape)
+        if own.dense if own.dense is not None else numel < cfg.dense_below:
+            return None, 0
+        topk, keep_ratio = own.strength(cfg)
+        layout = plan_tiles(shape, own.chunk if own.chunk is not None else cfg.chunk)
+        return layout, coefficients_per_tile(layout.tile_numel, topk, keep_ratio)
+
+    def payload_bytes(self, shape: tuple[int, ...], override: Optional[TensorCodec] = None) -> int:
+        """Bytes one worker hands to the collective for a tensor of ``shape`` (fp32 when dense)."""
+        layout, k = self.layout(shape, override)
+        if layout is None:
+            return 4 * math.prod(shape)
+        if self.config.all_reduces:
+            return layout.n_tiles * k * _WIRE_DTYPES[self.config.value_format].itemsize
+        return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.config.value_format, self.config.sends_positions)
+
+    def _build_plan(self, tensors: list[Tensor], overrides: list[TensorCodec]) -> _Plan:
+        cfg = self.config
         items: list[_Item] = []
-        for position, x in enumerate(tensors):
-            item = _Item(position, tuple(x.shape), compute_dtype(x.dtype), x.device, dense=x.numel() < cfg.dense_below)
+        for position, (x, own) in enumerate(zip(tensors, overrides)):
+            layout, k = self.layout(tuple(x.shape), own)
+            item = _Item(position, tuple(x.shape), compute_dtype(x.dtype), x.device, dense=layout is None, layout=layout, k=k)
             if not item.dense:
-                item.layout = plan_tiles(x.shape, cfg.chunk)
-                item.k = coefficients_per_tile(item.layout.tile_numel, topk, keep_ratio)
-                item.family = (item.layout.tile_shape, item.k, item.dtype, item.device)
-                if cfg.all_reduces:
-                    item.nbytes = item.n_tiles * item.k * _WIRE_DTYPES[cfg.value_format].itemsize
-                else:
-                    item.nbytes = segment_nbytes(item.n_tiles, item.k, item.layout.tile_numel, cfg.value_format, cfg.sends_positions)
+                item.family = (layout.tile_shape, k, item.dtype, item.device)
+                item.nbytes = self.payload_bytes(tuple(x.shape), own)
             items.append(item)
         dense_groups: dict[tuple[torch.dtype, torch.device], list[_Item]] = {}
         families: OrderedDict[Any, list[_Item]] = OrderedDict()
@@ -198,25 +280,42 @@ class CompressedMean:
             buckets[-1].append(item)
             size += item.nbytes
         fingerprint = [len(items)]
-        for x in tensors:
-            fingerprint += [x.numel(), x.dim()]
-        self.comm.check_same(fingerprint, "codec/fingerprint", "the list of tensors to average")
+        for x, item in zip(tensors, items):
+            fingerprint += [x.numel(), x.dim(), int(item.dense), item.k, item.layout.tile_numel if item.layout else 0]
+        self.comm.check_same(
+            fingerprint, "codec/fingerprint",
+            "the list of tensors to average, or their per-tensor codec settings (k, chunk, dense)",
+        )
         return _Plan(items, dense_groups, families, buckets)
 
-    def plan(self, tensors: list[Tensor]) -> _Plan:
-        """The (cached) plan for tensors of these shapes; rebuilding it compares layouts across ranks."""
-        key = tuple((tuple(x.shape), x.dtype, x.device) for x in tensors)
+    def plan(self, tensors: list[Tensor], overrides: Optional[list[Optional[TensorCodec]]] = None) -> _Plan:
+        """The (cached) plan for these shapes and per-tensor settings; rebuilding it compares
+        layouts and settings across ranks (a collective: every rank rebuilds at the same call)."""
+        own = _resolve_overrides(tensors, overrides)
+        key = tuple((tuple(x.shape), x.dtype, x.device, o) for x, o in zip(tensors, own))
         if self._plan is None or key != self._plan_key:
-            self._plan = self._build_plan(tensors)
+            self._plan = self._build_plan(tensors, own)
             self._plan_key = key
         return self._plan
 
     @torch.no_grad()
-    def __call__(self, inputs: list[Tensor], tag: str) -> tuple[list[Tensor], list[Tensor]]:
-        """Return ``(mean over workers, what this worker sent)`` for every input, in the compute dtype."""
+    def __call__(
+        self,
+        inputs: list[Tensor],
+        tag: str,
+        overrides: Optional[list[Optional[TensorCodec]]] = None,
+        energy_curve: bool = False,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Return ``(mean over workers, what this worker sent)`` for every input, in the compute dtype.
+
+        ``overrides`` gives per-input :class:`TensorCodec` settings (``None``: the config's).
+        Afterwards :attr:`last_energy` holds each input's :class:`TensorEnergy`, with the
+        energy curve when ``energy_curve`` is set (it costs a sort of every tile).
+        """
         cfg = self.config
         world = self.comm.world_size
-        plan = self.plan(inputs)
+        plan = self.plan(inputs, overrides)
+        energy: list[Optional[TensorEnergy]] = [None] * len(inputs)
         mean_out: list[Optional[Tensor]] = [None] * len(inputs)
         sent_out: list[Optional[Tensor]] = [None] * len(inputs)
 
@@ -227,6 +326,8 @@ class CompressedMean:
             for item, part in zip(group, torch.split(flat, [inputs[i.position].numel() for i in group])):
                 mean_out[item.position] = part.view(item.shape)
                 sent_out[item.position] = inputs[item.position].to(item.dtype)
+                total = float(sent_out[item.position].pow(2).sum())
+                energy[item.position] = TensorEnergy(total, total, 0, 0, 0)
 
         # per family: rows [:n] hold what this worker sent, rows [n:] the mean over workers
         selected: dict[int, tuple[Tensor, Tensor]] = {}
@@ -237,9 +338,20 @@ class CompressedMean:
             tiles = torch.empty((n_tiles, *ref.layout.tile_shape), dtype=ref.dtype, device=ref.device)
             for m in members:
                 to_tiles(inputs[m.position].to(ref.dtype), m.layout, out=tiles[m.rows])
-            positions, values = select(dct2(tiles), ref.k, cfg.selection)
+            spectrum = dct2(tiles)
+            positions, values = select(spectrum, ref.k, cfg.selection)
+            tile_energy = spectrum.pow(2).sum((1, 2)).tolist()
+            kept_energy = values.pow(2).sum(1).tolist()
+            cumulative = self._energy_cumsum(spectrum) if energy_curve else None
             for m in members:
                 selected[m.position] = (positions[m.rows], values[m.rows])
+                total = float(sum(tile_energy[m.rows]))
+                curve = None
+                if cumulative is not None:
+                    curve = cumulative[m.rows].sum(0).double() / total if total > 0 else torch.ones(cumulative.shape[1], dtype=torch.float64)
+                energy[m.position] = TensorEnergy(
+                    total, float(sum(kept_energy[m.rows])), m.k, m.layout.tile_numel, m.n_tiles, curve,
+                )
             decode[key] = torch.zeros((2 * n_tiles, ref.layout.tile_numel), dtype=ref.dtype, device=ref.device)
 
         coefficients = 0
@@ -291,7 +403,17 @@ class CompressedMean:
                 sent_out[m.position] = from_tiles(tiles[m.rows], m.layout)
                 mean_out[m.position] = from_tiles(tiles[n:][m.rows], m.layout)
         self.coefficients = coefficients
+        self.last_energy = [e for e in energy if e is not None]
         return [t for t in mean_out if t is not None], [t for t in sent_out if t is not None]
+
+    def _energy_cumsum(self, coefficients: Tensor) -> Tensor:
+        """Per tile, the energy of its best 1, 2, ... coefficients under this selection rule."""
+        squared = coefficients.pow(2).flatten(1)
+        if self.config.selection == "topk":
+            ordered = squared.sort(dim=1, descending=True).values
+        else:
+            ordered = squared[:, lowpass_order(coefficients.shape[1], coefficients.shape[2], squared.device)]
+        return ordered.cumsum(1)
 
     @staticmethod
     def _sent_rows(decode: dict[Any, Tensor], item: _Item) -> Tensor:
@@ -301,3 +423,14 @@ class CompressedMean:
     def _mean_rows(decode: dict[Any, Tensor], item: _Item) -> Tensor:
         buf = decode[item.family]
         return buf[buf.shape[0] // 2 :][item.rows]
+
+
+def _resolve_overrides(tensors: list[Tensor], overrides: Optional[list[Optional[TensorCodec]]]) -> list[TensorCodec]:
+    if overrides is None:
+        return [_INHERIT] * len(tensors)
+    if len(overrides) != len(tensors):
+        raise ValueError(f"got {len(overrides)} per-tensor codec settings for {len(tensors)} tensors; give one per tensor (None inherits)")
+    return [o if o is not None else _INHERIT for o in overrides]
+
+
+_INHERIT = TensorCodec()

@@ -44,10 +44,20 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from demo_lightning.algorithms.compressed_mean import DEFAULT_TOPK, CodecConfig, CompressedMean, compute_dtype
+from demo_lightning.algorithms.compressed_mean import (
+    DEFAULT_TOPK,
+    CodecConfig,
+    CompressedMean,
+    TensorCodec,
+    TensorEnergy,
+    compute_dtype,
+)
 from demo_lightning.comm import Communicator, StepTraffic, ddp_bytes_per_step
 
-__all__ = ["DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "warn_if_stateful"]
+__all__ = [
+    "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorSettings",
+    "warn_if_stateful",
+]
 
 DEMO_STATE_KEY = "demo_momentum"
 UPDATES: tuple[str, ...] = ("sign", "raw")
@@ -89,8 +99,7 @@ class DeMoConfig:
 
     def __post_init__(self) -> None:
         _ = self.codec  # validates the codec fields
-        if not isinstance(self.decay, (int, float)) or not 0.0 <= float(self.decay) < 1.0:
-            raise ValueError(f"decay must lie in [0, 1), got {self.decay!r}; the paper uses 0.999")
+        _check_decay(self.decay)
         if self.update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
 
@@ -108,6 +117,43 @@ class DeMoConfig:
         return self.codec.strength
 
 
+def _check_decay(decay: Any) -> None:
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
+        raise ValueError(f"decay must lie in [0, 1), got {decay!r}; the paper uses 0.999")
+
+
+@dataclass(frozen=True)
+class TensorSettings:
+    """One tensor's departures from the :class:`DeMoConfig` (``None`` fields inherit it).
+
+    Set by per-layer policies and the adaptive keep ratio through
+    :meth:`DeMoExchange.set_tensor_settings`; every rank must set the same ones at the same step
+    (a codec mismatch raises on every rank; a decay mismatch would only change local momenta).
+
+    Args:
+        decay: momentum decay beta in [0, 1) for this tensor.
+        topk: coefficients kept per tile.
+        keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
+        chunk: tile side.
+        dense: ``True``: whole momentum all-reduced in fp32; ``False``: compressed even when small.
+    """
+
+    decay: Optional[float] = None
+    topk: Optional[int] = None
+    keep_ratio: Optional[float] = None
+    chunk: Optional[int] = None
+    dense: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.decay is not None:
+            _check_decay(self.decay)
+        _ = self.codec
+
+    @property
+    def codec(self) -> TensorCodec:
+        return TensorCodec(topk=self.topk, keep_ratio=self.keep_ratio, chunk=self.chunk, dense=self.dense)
+
+
 @dataclass
 class ExchangeStats:
     """What the exchanges of this worker did: the last one, and running totals."""
@@ -120,6 +166,19 @@ class ExchangeStats:
     steps: int = 0
     total_seconds: float = 0.0
     total_comm_seconds: float = 0.0
+    energy: list[TensorEnergy] = field(default_factory=list)
+
+    @property
+    def keep_ratio(self) -> float:
+        """Coefficients sent by the codec over the elements of the tensors it compressed (last step)."""
+        compressed = sum(e.n_tiles * e.tile_numel for e in self.energy if e.k > 0)
+        return self.coefficients / compressed if compressed else 1.0
+
+    @property
+    def energy_fraction(self) -> float:
+        """Fraction of the momenta's energy the last exchange sent (all tensors together)."""
+        total = sum(e.total for e in self.energy)
+        return sum(e.captured for e in self.energy) / total if total > 0 else 1.0
 
     @property
     def sent_bytes(self) -> float:
@@ -160,6 +219,8 @@ class DeMoExchange:
         self.stats = ExchangeStats()
         self._codec = CompressedMean(self.config.codec, self.comm)
         self._hidden: dict[Tensor, Tensor] = {}
+        self._settings: dict[Tensor, TensorSettings] = {}
+        self._want_curve = False
         self._hooks = [
             optimizer.register_step_pre_hook(self._hide_state),
             optimizer.register_step_post_hook(self._restore_state),
@@ -169,6 +230,45 @@ class DeMoExchange:
     def parameters(self) -> list[Tensor]:
         """Trainable parameters in exchange order (the optimizer's ``param_groups`` order)."""
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def set_tensor_settings(self, param: Tensor, settings: Optional[TensorSettings]) -> None:
+        """Give ``param`` its own settings from the next step on (``None`` returns it to the config's)."""
+        if settings is None:
+            self._settings.pop(param, None)
+        elif not isinstance(settings, TensorSettings):
+            raise TypeError(f"settings must be a TensorSettings or None, got {type(settings).__name__}")
+        else:
+            self._settings[param] = settings
+
+    def tensor_settings(self, param: Tensor) -> TensorSettings:
+        """The settings ``param`` departs from the config with (all ``None`` when it does not)."""
+        return self._settings.get(param, _INHERIT)
+
+    def decay_of(self, param: Tensor) -> float:
+        """Momentum decay applied to ``param``."""
+        own = self._settings.get(param)
+        return float(own.decay) if own is not None and own.decay is not None else float(self.config.decay)
+
+    def payload_bytes(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
+        """Bytes this worker puts on the wire for ``param`` per exchange, under ``settings``
+        (default: its current ones)."""
+        own = settings if settings is not None else self.tensor_settings(param)
+        return self._codec.payload_bytes(tuple(param.shape), own.codec)
+
+    def tile_numel(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
+        """Elements per tile of ``param`` under ``settings`` (0 when it is sent densely)."""
+        own = settings if settings is not None else self.tensor_settings(param)
+        layout, _ = self._codec.layout(tuple(param.shape), own.codec)
+        return layout.tile_numel if layout is not None else 0
+
+    def k_of(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
+        """Coefficients kept per tile of ``param`` under ``settings`` (0 when it is sent densely)."""
+        own = settings if settings is not None else self.tensor_settings(param)
+        return self._codec.layout(tuple(param.shape), own.codec)[1]
+
+    def request_energy_curve(self) -> None:
+        """Make the next :meth:`step` also compute every tensor's energy curve (a sort per tile)."""
+        self._want_curve = True
 
     def momentum(self, param: Tensor) -> Tensor:
         """The local momentum (residual) of ``param``, created as zeros on first use."""
@@ -243,16 +343,18 @@ class DeMoExchange:
         self.restore_state()
         params = self.parameters()
         ledger = self.comm.ledger
-        self._codec.plan(params)  # (re)planning may check layouts across ranks: outside the step window
+        overrides = [self._settings[p].codec if p in self._settings else None for p in params]
+        self._codec.plan(params, overrides)  # (re)planning checks layouts across ranks: outside the step window
         comm_before = self.comm.seconds
+        want_curve, self._want_curve = self._want_curve, False
         ledger.begin_step()
         try:
             momenta = [self.momentum(p) for p in params]
             for p, m in zip(params, momenta):
-                m.mul_(cfg.decay)
+                m.mul_(self.decay_of(p))
                 if p.grad is not None:
                     m.add_(p.grad.to(m.dtype))
-            shared, sent = self._codec(momenta, "demo")
+            shared, sent = self._codec(momenta, "demo", overrides, energy_curve=want_curve)
             for p, m, q, s in zip(params, momenta, shared, sent):
                 m.sub_(s)  # error feedback: what was sent leaves the local momentum
                 update = (torch.sign(q) if cfg.update == "sign" else q).to(p.dtype)
@@ -268,16 +370,20 @@ class DeMoExchange:
         st = self.stats
         st.traffic, st.seconds, st.comm_seconds = traffic, seconds, comm_seconds
         st.coefficients, st.n_trainable = self._codec.coefficients, n_trainable
+        st.energy = self._codec.last_energy
         st.steps += 1
         st.total_seconds += seconds
         st.total_comm_seconds += comm_seconds
         return st
 
 
+_INHERIT = TensorSettings()
+
+
 def warn_if_stateful(optimizer: Optimizer) -> Optional[str]:
     """A message if ``optimizer`` keeps its own momentum (``update="sign"`` expects plain SGD)."""
     for group in optimizer.param_groups:
-        if group.get("momentum", 0) or "betas" in group:
+        if group.get("momentum", 0) or "betas" in group or group.get("lam", 0):
             return (
                 f"update='sign' is DeMo's rule for plain SGD, but {type(optimizer).__name__} keeps its own momentum "
                 "or moments on top of the sign; use torch.optim.SGD(momentum=0), or update='raw' for this optimizer"

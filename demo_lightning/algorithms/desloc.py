@@ -80,8 +80,9 @@ def default_state_periods(param_sync_every: int) -> dict[str, int]:
 def periods_from_betas(param_sync_every: int, optimizer: Optimizer) -> dict[str, int]:
     """State periods from the optimizer's own decay rates: ``max(K_x, round(half_life(beta)))``.
 
-    Adam-style ``betas=(b1, b2)`` give ``exp_avg`` / ``exp_avg_sq``; SGD's ``momentum`` gives
-    ``momentum_buffer``. The first parameter group's values are used.
+    Adam-style ``betas=(b1, b2)`` give ``exp_avg`` / ``exp_avg_sq``; SGD's ``momentum`` and
+    :class:`~demo_lightning.optim.DecoupledMomentum`'s ``beta`` give ``momentum_buffer``. The first
+    parameter group's values are used.
     """
     group = optimizer.param_groups[0]
     periods: dict[str, int] = {}
@@ -94,6 +95,8 @@ def periods_from_betas(param_sync_every: int, optimizer: Optimizer) -> dict[str,
             periods["max_exp_avg_sq"] = periods["exp_avg_sq"]
     elif group.get("momentum", 0):
         periods["momentum_buffer"] = max(param_sync_every, round(half_life(group["momentum"])))
+    elif group.get("beta", 0):
+        periods["momentum_buffer"] = max(param_sync_every, round(half_life(group["beta"])))
     return periods
 
 

@@ -21,7 +21,9 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["SELECTIONS", "Selection", "coefficients_per_tile", "lowpass_positions", "select", "validate_strength"]
+__all__ = [
+    "SELECTIONS", "Selection", "coefficients_per_tile", "lowpass_order", "lowpass_positions", "select", "validate_strength",
+]
 
 Selection = Literal["topk", "lowpass"]
 SELECTIONS: tuple[str, ...] = ("topk", "lowpass")
@@ -50,12 +52,21 @@ def coefficients_per_tile(tile_numel: int, topk: Optional[int], keep_ratio: Opti
     raise ValueError("one of topk or keep_ratio must be given")
 
 
-@functools.lru_cache(maxsize=256)
-def _lowpass_positions_cpu(tile_rows: int, tile_cols: int, k: int) -> Tensor:
+@functools.lru_cache(maxsize=64)
+def _lowpass_order_cpu(tile_rows: int, tile_cols: int) -> Tensor:
     i = torch.arange(tile_rows).repeat_interleave(tile_cols)
     j = torch.arange(tile_cols).repeat(tile_rows)
-    order = torch.argsort((i + j) * (tile_rows + 1) + i, stable=True)
-    return order[:k].sort().values
+    return torch.argsort((i + j) * (tile_rows + 1) + i, stable=True)
+
+
+def lowpass_order(tile_rows: int, tile_cols: int, device: torch.device | str | None = None) -> Tensor:
+    """Every flat position of a tile, lowest frequency first (the order ``"lowpass"`` keeps them in)."""
+    return _lowpass_order_cpu(tile_rows, tile_cols).to(device if device is not None else "cpu")
+
+
+@functools.lru_cache(maxsize=256)
+def _lowpass_positions_cpu(tile_rows: int, tile_cols: int, k: int) -> Tensor:
+    return _lowpass_order_cpu(tile_rows, tile_cols)[:k].sort().values
 
 
 def lowpass_positions(tile_rows: int, tile_cols: int, k: int, device: torch.device | str | None = None) -> Tensor:

@@ -55,11 +55,14 @@ class Communicator:
         """Whether collectives actually cross processes."""
         return self.distributed and self.world_size > 1
 
-    def all_gather_bytes(self, buffer: Tensor, tag: str) -> list[Tensor]:
-        """All-gather one ``uint8`` buffer of the same size on every rank; returns them in rank order."""
+    def all_gather_bytes(self, buffer: Tensor, tag: str, per_step: bool = True) -> list[Tensor]:
+        """All-gather one ``uint8`` buffer of the same size on every rank; returns them in rank order.
+
+        ``per_step=False`` keeps the call out of the open step's traffic (verification, not training).
+        """
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError(f"all_gather_bytes expects a 1-D uint8 buffer, got {buffer.dtype} {tuple(buffer.shape)}")
-        self.ledger.record("all_gather", tag, buffer.numel(), self.world_size)
+        self.ledger.record("all_gather", tag, buffer.numel(), self.world_size, per_step=per_step)
         if not self.active:
             return [buffer]
         out = [torch.empty_like(buffer) for _ in range(self.world_size)]
@@ -115,9 +118,13 @@ class Communicator:
         ]
 
     def check_same(self, values: list[int], tag: str, what: str) -> None:
-        """Raise ``RuntimeError`` on every rank if ``values`` (e.g. a model fingerprint) differ across ranks."""
+        """Raise ``RuntimeError`` on every rank if ``values`` (e.g. a model fingerprint) differ across ranks.
+
+        The check is counted in the ledger's totals but not in the open step's traffic: it runs when a
+        layout changes (first step, after a resume), not as part of the algorithm's per-step cost.
+        """
         mine = torch.tensor(values, dtype=torch.int64)
-        gathered = self.all_gather_bytes(mine.view(torch.uint8), tag)
+        gathered = self.all_gather_bytes(mine.view(torch.uint8), tag, per_step=False)
         rows = [g.view(torch.int64) for g in gathered]
         bad = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
         if bad:

@@ -126,8 +126,11 @@ class ByteLedger:
     steps_ddp_bytes: float = 0.0
     _depth: int = 0
 
-    def record(self, op: CollectiveOp, tag: str, payload_bytes: int, world_size: int, root: int = 0) -> CollectiveRecord:
-        """Record one collective of ``payload_bytes`` handed in by this worker."""
+    def record(
+        self, op: CollectiveOp, tag: str, payload_bytes: int, world_size: int, root: int = 0, per_step: bool = True,
+    ) -> CollectiveRecord:
+        """Record one collective of ``payload_bytes`` handed in by this worker (in the open step's
+        traffic unless ``per_step`` is false; always in the totals)."""
         sent, received = _modeled(op, payload_bytes, world_size, self.rank, root)
         rec = CollectiveRecord(op, tag, int(payload_bytes), sent, received, world_size)
         totals = self.totals.setdefault(tag, TagTotals())
@@ -135,7 +138,7 @@ class ByteLedger:
         totals.payload_bytes += rec.payload_bytes
         totals.sent_bytes += sent
         totals.received_bytes += received
-        if self._depth > 0:
+        if self._depth > 0 and per_step:
             self.step_records.append(rec)
         return rec
 

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange, warn_if_stateful
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
+from demo_lightning.algorithms.guard import FIX, GUARD_TAG, NonFinitePolicy, check_nonfinite_policy, gather_nonfinite
 from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_per_step
 
 __all__ = ["CommunicationStrategy", "as_timedelta"]
@@ -83,7 +84,9 @@ class CommunicationStrategy(DDPStrategy):
         cluster_environment: Optional[ClusterEnvironment],
         checkpoint_io: Optional[CheckpointIO],
         precision_plugin: Optional[Precision],
+        nonfinite: NonFinitePolicy = "skip",
     ) -> None:
+        self.nonfinite: NonFinitePolicy = check_nonfinite_policy(nonfinite)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -101,6 +104,9 @@ class CommunicationStrategy(DDPStrategy):
         self._communicator: Optional[Communicator] = None
         self._exchanges: dict[int, DeMoExchange] = {}
         self._averagers: dict[int, DesLocAverager] = {}
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite values (checkpointed)
+        self.last_step_skipped = False
+        self._warned_skip = False
 
     # ------------------------------------------------------------------ public
     @property
@@ -184,29 +190,87 @@ class CommunicationStrategy(DDPStrategy):
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
+        """Closure, non-finite guard, exchange (DeMo), Lightning's hooks and the update, averaging (DES-LOC).
+
+        Non-finite guard: after the closure (the loss it returns, ``None`` counting as finite, and
+        every ``p.grad`` of ``optimizer``) all ranks agree, through one 1-byte-per-rank all-gather
+        run at every step, whether any rank saw a NaN or inf. If one did:
+
+        * ``nonfinite="raise"``: every rank raises ``FloatingPointError`` naming the step, the ranks
+          and the fix; nothing was updated.
+        * ``nonfinite="skip"``: every rank drops its gradients (``p.grad = None``) and returns
+          without the exchange, Lightning's ``on_before_optimizer_step`` hooks and clipping,
+          ``optimizer.step()`` or DES-LOC averaging: parameters, optimizer state, DeMo residuals and
+          the DES-LOC schedule position are unchanged on every rank. :attr:`skipped_steps` counts
+          it (logged as ``guard/skipped_steps``, saved in checkpoints), :attr:`last_step_skipped` is
+          set, rank 0 warns the first time. Lightning still counts the step: ``trainer.global_step``
+          advances (Lightning 2.6 increments it after this method returns: the automatic loop's
+          ``optim_progress`` after the ``optimizer_step`` hook, ``LightningOptimizer._on_after_step``
+          under manual optimization) and step-interval LR schedulers step, as with the skipped steps
+          of its own fp16 GradScaler; our counters (exchange steps, DES-LOC schedule) do not.
+
+        Only the last micro-batch's loss is checked under gradient accumulation; a non-finite loss
+        in an earlier micro-batch shows through the accumulated gradients.
+        """
         raw = _unwrap(optimizer)
         exchange, averager = self._exchanges.get(id(raw)), self._averagers.get(id(raw))
         if exchange is None and averager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         closure_result = closure()  # forward + backward of the last micro-batch
+        params = [p for g in raw.param_groups for p in g["params"]]
+        skipped = False
         self.ledger.begin_step()
         try:
-            if exchange is not None:
-                exchange.step()
-            elif averager is not None:
-                averager.before_step()
-            try:
-                output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
-            finally:
+            flags = gather_nonfinite(params, closure_result, self.communicator, GUARD_TAG)
+            if flags:
+                if self.nonfinite == "raise":
+                    raise flags.error(self._global_step())
+                for p in params:
+                    p.grad = None
+                skipped, output = True, closure_result
+            else:
                 if exchange is not None:
-                    exchange.restore_state()
-            if averager is not None:
-                averager.after_step()
+                    exchange.step()
+                elif averager is not None:
+                    averager.before_step()
+                try:
+                    output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
+                finally:
+                    if exchange is not None:
+                        exchange.restore_state()
+                if averager is not None:
+                    averager.after_step()
         finally:
-            n_trainable = sum(p.numel() for g in raw.param_groups for p in g["params"] if p.requires_grad)
+            n_trainable = sum(p.numel() for p in params if p.requires_grad)
             self.last_traffic = self.ledger.end_step(ddp_bytes_per_step(n_trainable, self.communicator.world_size))
+        self.last_step_skipped = skipped
+        if skipped:
+            self.skipped_steps += 1
+            if not self._warned_skip:
+                self._warned_skip = True
+                rank_zero_warn(
+                    f"{flags.summary(self._global_step())}. Skipped this optimizer step on every rank "
+                    "(nonfinite='skip'): parameters, optimizer state and exchange state are unchanged. Further skips "
+                    f"are counted in guard/skipped_steps without a warning. If they recur: {FIX}; "
+                    "nonfinite='raise' stops training instead."
+                )
         self._log_traffic(self.last_traffic)
+        self._log_guard()
         return output
+
+    def _global_step(self) -> Optional[int]:
+        module = self.lightning_module
+        return None if module is None or module._trainer is None else module._trainer.global_step
+
+    def _log_guard(self) -> None:
+        """Log the cumulative count of skipped steps (the same on every rank)."""
+        module = self.lightning_module
+        if module is None or module._trainer is None:
+            return
+        module.log_dict(
+            {"guard/skipped_steps": float(self.skipped_steps)},
+            on_step=True, on_epoch=False, batch_size=1, sync_dist=False,
+        )
 
     def _log_traffic(self, traffic: StepTraffic) -> None:
         """Log this step's bytes and the ratio to DDP over all steps so far (periodic syncs make a
@@ -252,7 +316,11 @@ class CommunicationStrategy(DDPStrategy):
         return {
             **state,
             "state": _without_demo(state["state"]),
-            _CHECKPOINT_KEY: {"world_size": self.communicator.world_size, "per_rank": gathered},
+            _CHECKPOINT_KEY: {
+                "world_size": self.communicator.world_size,
+                "per_rank": gathered,
+                "skipped_steps": self.skipped_steps,
+            },
         }
 
     @override
@@ -265,6 +333,7 @@ class CommunicationStrategy(DDPStrategy):
         for optimizer, extra in zip(map(_unwrap, self.optimizers), extras):
             if extra is None:
                 continue
+            self.skipped_steps = int(extra.get("skipped_steps", self.skipped_steps))
             mine = extra["per_rank"][rank] if extra["world_size"] == world else None
             if mine is None:
                 rank_zero_warn(

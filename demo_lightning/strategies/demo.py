@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms import DeMoConfig, ExchangeStats
 from demo_lightning.algorithms.desloc import DesLocConfig
+from demo_lightning.algorithms.guard import NonFinitePolicy
 from demo_lightning.strategies.base import CommunicationStrategy, StartMethod
 
 __all__ = ["DeMoStrategy"]
@@ -58,6 +59,10 @@ class DeMoStrategy(CommunicationStrategy):
         timeout: collective timeout in seconds (or a ``timedelta``); a peer that stops answering
             makes the others raise after this long.
         start_method: how Lightning starts local processes: ``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``.
+        nonfinite: what every rank does when the loss or a gradient is NaN/inf on any rank (agreed by a
+            1-byte-per-rank all-gather every step): ``"skip"`` the step on every rank (nothing of
+            ours changes; counted in ``guard/skipped_steps``) or ``"raise"`` ``FloatingPointError`` on
+            every rank. Any other value raises ``ValueError``.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer (torchrun, SLURM, ... are detected).
@@ -84,6 +89,7 @@ class DeMoStrategy(CommunicationStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = 1800.0,
         start_method: StartMethod = "popen",
+        nonfinite: NonFinitePolicy = "skip",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -102,7 +108,7 @@ class DeMoStrategy(CommunicationStrategy):
         )
         super().__init__(
             demo, desloc, process_group_backend, timeout, start_method,
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, nonfinite,
         )
 
     @property

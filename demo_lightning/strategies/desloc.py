@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms.compressed_mean import CodecConfig
 from demo_lightning.algorithms.desloc import DesLocConfig
+from demo_lightning.algorithms.guard import NonFinitePolicy
 from demo_lightning.strategies.base import CommunicationStrategy, StartMethod
 
 __all__ = ["DesLocStrategy"]
@@ -48,6 +49,10 @@ class DesLocStrategy(CommunicationStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when ``None``.
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: how Lightning starts local processes.
+        nonfinite: what every rank does when the loss or a gradient is NaN/inf on any rank (agreed by a
+            1-byte-per-rank all-gather every step): ``"skip"`` the step on every rank (nothing of
+            ours changes; counted in ``guard/skipped_steps``) or ``"raise"`` ``FloatingPointError`` on
+            every rank. Any other value raises ``ValueError``.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer.
@@ -72,6 +77,7 @@ class DesLocStrategy(CommunicationStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = 1800.0,
         start_method: StartMethod = "popen",
+        nonfinite: NonFinitePolicy = "skip",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -90,5 +96,5 @@ class DesLocStrategy(CommunicationStrategy):
             raise ValueError("param_sync_every must be an integer period >= 1 for strategy='desloc'")
         super().__init__(
             None, desloc, process_group_backend, timeout, start_method,
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, nonfinite,
         )

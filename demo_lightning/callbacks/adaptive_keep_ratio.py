@@ -1,0 +1,231 @@
+"""How many DCT coefficients DeMo keeps, changed over training: a schedule, an energy controller,
+and a bandwidth budget.
+
+Three rules, applied to every tensor the codec compresses (densely sent tensors are left alone):
+
+* **schedule** (``keep_ratio``): the fraction of each tile kept follows a :class:`Schedule`
+  (constant, linear or cosine ramp, milestones), e.g. DeMo-adv's "sync more later in training".
+* **energy controller** (``energy``): every ``update_every`` optimizer steps, each worker finds per
+  tensor the smallest ``k`` whose best ``k`` coefficients per tile hold ``energy`` of its momentum's
+  energy (measured on the exchange's own DCT, no extra transform), clamped to
+  ``[min_keep_ratio, max_keep_ratio]``. The workers' ``k`` are averaged by one all-reduce
+  (``adaptive/k`` in the ledger) and rounded up, so every rank sets the identical ``k``; the new
+  ``k`` applies from the next step (the measurement is one step old).
+* **budget** (``max_bytes_per_step``): if the chosen ``k`` would put more payload bytes per
+  worker per step on the wire than the budget, every tensor's ``k`` is scaled by the largest
+  common factor that fits (at least one coefficient per tile; a warning if even that exceeds).
+
+Every rank computes the same settings at the same optimizer step (schedules from the step count,
+the controller from an all-reduced value), so exchanges never mismatch in size; a mismatch would
+still raise on every rank (the codec compares its plan across ranks when it changes).
+The controller's chosen ``k`` is checkpointed: a resumed run continues with the same settings.
+Needs ``strategy="demo"``; with any other strategy ``setup`` raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from demo_lightning.algorithms import DeMoExchange, TensorSettings
+from demo_lightning.callbacks.context import applied_steps, communicator_of, exchanges_of, named_trainable, total_steps
+from demo_lightning.schedules import Schedule, as_schedule
+
+__all__ = ["AdaptiveKeepRatio"]
+
+_DEFAULT_RAMP = Schedule(kind="cosine", start=1 / 128, end=1 / 32)
+
+
+class AdaptiveKeepRatio(Callback):
+    """Adapt DeMo's keep ratio per tensor over training (see the module docstring).
+
+    Args:
+        keep_ratio: fraction of each tile kept, a number or a :class:`Schedule`; used when
+            ``energy`` is not set. Default: a cosine ramp from 1/128 to 1/32 over the run
+            (DeMo-adv's "sync more later"; not tuned on our benchmarks).
+        energy: target fraction of each tensor's momentum energy to send, in (0, 1]; turns on
+            the controller (``keep_ratio`` is then ignored).
+        min_keep_ratio: the controller's lower bound, in (0, 1].
+        max_keep_ratio: the controller's upper bound, in (0, 1], at least ``min_keep_ratio``.
+        update_every: the controller re-measures every this many optimizer steps.
+        max_bytes_per_step: cap on the exchange's payload bytes per worker per optimizer step
+            (all tensors, dense ones included); ``None``: no cap.
+    """
+
+    def __init__(
+        self,
+        keep_ratio: Union[float, Schedule, None] = None,
+        energy: Optional[float] = None,
+        min_keep_ratio: float = 1 / 4096,
+        max_keep_ratio: float = 0.25,
+        update_every: int = 10,
+        max_bytes_per_step: Optional[int] = None,
+    ) -> None:
+        self.keep_ratio = as_schedule(keep_ratio if keep_ratio is not None else _DEFAULT_RAMP, "keep_ratio", 0.0, 1.0, low_open=True)
+        if energy is not None and (isinstance(energy, bool) or not isinstance(energy, (int, float)) or not 0 < energy <= 1):
+            raise ValueError(f"energy must lie in (0, 1] (fraction of the momentum's energy to send), got {energy!r}")
+        for name, value in (("min_keep_ratio", min_keep_ratio), ("max_keep_ratio", max_keep_ratio)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+        if min_keep_ratio > max_keep_ratio:
+            raise ValueError(f"min_keep_ratio ({min_keep_ratio}) must not exceed max_keep_ratio ({max_keep_ratio})")
+        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+            raise ValueError(f"update_every must be a positive integer (optimizer steps), got {update_every!r}")
+        if max_bytes_per_step is not None and (
+            isinstance(max_bytes_per_step, bool) or not isinstance(max_bytes_per_step, int) or max_bytes_per_step < 1
+        ):
+            raise ValueError(f"max_bytes_per_step must be a positive integer (bytes) or None, got {max_bytes_per_step!r}")
+        self.energy = None if energy is None else float(energy)
+        self.min_keep_ratio = float(min_keep_ratio)
+        self.max_keep_ratio = float(max_keep_ratio)
+        self.update_every = update_every
+        self.max_bytes_per_step = max_bytes_per_step
+        self.controller_k: dict[str, int] = {}  # the controller's last agreed k per tensor name
+        self.current_k: dict[str, int] = {}  # k applied to each compressed tensor
+        self.planned_bytes = 0
+        self._names: dict[Tensor, str] = {}
+        self._exchanges: list[DeMoExchange] = []
+        self._measured_at = -1
+        self._seen_exchanges = 0
+        self._warned_budget = False
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # a fresh fit starts afresh; a resumed one restores its state after setup
+            self.controller_k, self.current_k, self._measured_at = {}, {}, -1
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after the strategy's setup, which attaches the exchanges
+        self._exchanges = exchanges_of(trainer)
+        if not self._exchanges:
+            raise ValueError(
+                f"AdaptiveKeepRatio changes the DeMo exchange's keep ratio, but strategy {type(trainer.strategy).__name__} "
+                "has no DeMo exchange: use Trainer(strategy='demo') or remove the callback"
+            )
+        self._names = named_trainable(pl_module)
+        self._seen_exchanges = sum(ex.stats.steps for ex in self._exchanges)
+        if self.energy is None and self.keep_ratio is not None and self.keep_ratio.needs_total_steps and total_steps(trainer) is None:
+            raise ValueError("AdaptiveKeepRatio's keep_ratio ramps until the end of training: set max_steps, or the Schedule's steps")
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        step = applied_steps(trainer)
+        if self.energy is not None and step % self.update_every == 0 and step != self._measured_at:
+            for exchange in self._exchanges:
+                exchange.request_energy_curve()  # consumed by this optimizer step's exchange
+        self._apply(self._targets(trainer, step))
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.energy is None:
+            return
+        exchanged = sum(ex.stats.steps for ex in self._exchanges)
+        if exchanged == self._seen_exchanges:
+            return  # no exchange since the last look (a micro-batch of gradient accumulation)
+        self._seen_exchanges = exchanged
+        curves = [(p, e) for ex in self._exchanges for p, e in zip(ex.parameters(), ex.stats.energy) if e.curve is not None]
+        if not curves:
+            return
+        self._measured_at = applied_steps(trainer) - 1  # the step this measurement came from
+        local = torch.tensor([float(self._bounded(e.k_for(self.energy), e.tile_numel)) for _, e in curves], dtype=torch.float64)
+        comm = communicator_of(trainer)
+        if comm is not None and comm.world_size > 1:
+            comm.all_reduce_sum_(local, "adaptive/k")
+            local /= comm.world_size
+        for (p, e), k in zip(curves, local.tolist()):
+            self.controller_k[self._names[p]] = min(e.tile_numel, math.ceil(k - 1e-9))
+
+    # ------------------------------------------------------------------ rules
+    def _bounded(self, k: int, tile_numel: int) -> int:
+        low = max(1, math.ceil(self.min_keep_ratio * tile_numel - 1e-9))
+        high = max(low, math.floor(self.max_keep_ratio * tile_numel + 1e-9))
+        return min(high, max(low, k))
+
+    def _targets(self, trainer: Trainer, step: int) -> dict[Tensor, int]:
+        """The ``k`` of every compressed tensor at this step, before the budget."""
+        targets: dict[Tensor, int] = {}
+        ratio = None if self.energy is not None or self.keep_ratio is None else self.keep_ratio(step, total_steps(trainer))
+        for exchange in self._exchanges:
+            for p in exchange.parameters():
+                n = exchange.tile_numel(p, self._without_strength(exchange, p))
+                if n == 0:
+                    continue
+                if ratio is not None:
+                    targets[p] = max(1, min(n, math.ceil(ratio * n - 1e-9)))
+                else:
+                    default = self._bounded(exchange.k_of(p, self._without_strength(exchange, p)), n)
+                    targets[p] = self.controller_k.get(self._names[p], default)
+        return targets
+
+    @staticmethod
+    def _without_strength(exchange: DeMoExchange, p: Tensor) -> TensorSettings:
+        return dataclasses.replace(exchange.tensor_settings(p), topk=None, keep_ratio=None)
+
+    def _apply(self, targets: dict[Tensor, int]) -> None:
+        owner = {p: ex for ex in self._exchanges for p in ex.parameters()}
+        targets = self._within_budget(targets, owner)
+        for p, k in targets.items():
+            exchange = owner[p]
+            current = exchange.tensor_settings(p)
+            if current.topk != k or current.keep_ratio is not None:
+                exchange.set_tensor_settings(p, dataclasses.replace(current, topk=k, keep_ratio=None))
+            self.current_k[self._names[p]] = k
+        self.planned_bytes = sum(
+            ex.payload_bytes(p) for ex in self._exchanges for p in ex.parameters()
+        )
+
+    def _within_budget(self, targets: dict[Tensor, int], owner: dict[Tensor, DeMoExchange]) -> dict[Tensor, int]:
+        cap = self.max_bytes_per_step
+        if cap is None:
+            return targets
+
+        def cost(ks: dict[Tensor, int]) -> int:
+            total = 0
+            for ex in self._exchanges:
+                for p in ex.parameters():
+                    settings = ex.tensor_settings(p)
+                    if p in ks:
+                        settings = dataclasses.replace(settings, topk=ks[p], keep_ratio=None)
+                    total += ex.payload_bytes(p, settings)
+            return total
+
+        def scaled(factor: float) -> dict[Tensor, int]:
+            return {p: max(1, math.floor(k * factor)) for p, k in targets.items()}
+
+        if cost(targets) <= cap:
+            return targets
+        if cost(scaled(0.0)) > cap:
+            if not self._warned_budget:
+                rank_zero_warn(
+                    f"max_bytes_per_step={cap} is below what one coefficient per tile costs ({cost(scaled(0.0))} bytes, "
+                    "dense tensors included): keeping one per tile. Raise the budget or compress fewer tensors densely."
+                )
+                self._warned_budget = True
+            return scaled(0.0)
+        low, high = 0.0, 1.0  # cost(scaled(low)) <= cap < cost(scaled(high))
+        for _ in range(40):
+            mid = (low + high) / 2
+            if cost(scaled(mid)) <= cap:
+                low = mid
+            else:
+                high = mid
+        return scaled(low)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"controller_k": dict(self.controller_k), "measured_at": self._measured_at}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.controller_k = {str(k): int(v) for k, v in state_dict.get("controller_k", {}).items()}
+        self._measured_at = int(state_dict.get("measured_at", -1))

@@ -1,0 +1,321 @@
+"""Communication accounting in TensorBoard: bytes by tag, ratio to DDP, modeled link time,
+keep ratio, momentum energy captured per layer group, replica divergence, and a fit-end summary.
+
+Scalars, every ``log_every`` optimizer steps (values of that step; ``cumulative_*`` since fit start,
+continued across resumes):
+
+==========================================  ================================================
+``comm/step_sent_bytes/<tag>``              bytes this worker sent in the step, by ledger tag
+``comm/cumulative_sent_bytes``,             all bytes of the strategy's optimizer steps
+``comm/cumulative_received_bytes``
+``comm/cumulative_ratio_vs_ddp``            DDP's bytes for as many steps / ours
+``comm/modeled_seconds_per_step/<B>Gbps``   ``sum over collectives (hops x latency + sent x 8 / B)``
+``comm/ddp_modeled_seconds_per_step/<B>Gbps``  the same model for DDP's bucketed all-reduce
+``demo/keep_ratio``                         coefficients sent / elements compressed
+``demo/energy_captured/<group>``            energy of what was sent / momentum energy, per layer
+                                            group (summed over ranks, then divided)
+``desloc/replica_divergence``               ``sqrt(mean_r ||x_r - mean x||^2) / ||mean x||`` over
+                                            the parameters, every ``divergence_every`` steps
+==========================================  ================================================
+
+Hops in the link model: ``W - 1`` for all-gather and broadcast, ``2 (W - 1)`` for all-reduce (ring
+algorithms); DDP is modeled as fp32 gradients in ``bucket_cap_mb`` buckets (25 MB, its default).
+
+Histograms every ``histogram_every`` steps (rank 0's values): ``demo/dct_abs/<group>`` (DCT
+coefficient magnitudes of the residual momenta) and ``demo/residual_norm/<group>``.
+
+Collectives: the energy reduction (``monitor/reduce``, one small all-reduce per logged step) and
+the divergence (``monitor/divergence``, an all-reduce of all parameters) run on every rank at the
+same steps; they are recorded in the ledger outside the optimizer steps' windows, so the
+strategy's per-step bytes and ratios exclude them and ``comm/monitor_bytes`` reports them.
+Works with ``strategy="demo"`` or ``"desloc"``; with any other strategy ``setup`` raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from demo_lightning.callbacks.context import communicator_of, exchanges_of, named_trainable
+from demo_lightning.callbacks.layer_kinds import layer_kinds
+from demo_lightning.codec import dct2, plan_tiles, to_tiles
+from demo_lightning.comm import ByteLedger, CollectiveRecord
+
+__all__ = ["CommunicationMonitor", "modeled_seconds"]
+
+_GROUP_OF_KIND = {
+    "embedding": "embedding", "norm": "norm", "conv": "conv", "attention_qk": "attention", "attention_v": "attention",
+    "attention_out": "attention", "ffn": "ffn", "linear": "linear", "other": "other",
+}
+
+
+def _hops(record: CollectiveRecord) -> int:
+    w = record.world_size
+    return 2 * (w - 1) if record.op == "all_reduce" else w - 1
+
+
+def modeled_seconds(records: list[CollectiveRecord], bandwidth_gbps: float, latency_s: float) -> float:
+    """Time these collectives would take on a link of ``bandwidth_gbps`` with ``latency_s`` per hop."""
+    return sum(_hops(r) * latency_s + r.sent_bytes * 8 / (bandwidth_gbps * 1e9) for r in records)
+
+
+class CommunicationMonitor(Callback):
+    """Log what the strategy sends and what it would cost on a real link (see the module docstring).
+
+    Args:
+        log_every: log scalars every this many optimizer steps.
+        histogram_every: log histograms every this many optimizer steps (0: never).
+        bandwidths_gbps: link speeds in Gbit/s to model communication time at.
+        latency_ms: latency per hop of a collective, in milliseconds.
+        divergence_every: measure replica divergence every this many steps; ``None``: every 50
+            steps when DES-LOC averaging is on (replicas drift between syncs), never otherwise.
+        bucket_cap_mb: DDP's bucket size, for its modeled time.
+    """
+
+    def __init__(
+        self,
+        log_every: int = 1,
+        histogram_every: int = 100,
+        bandwidths_gbps: Optional[list[float]] = None,
+        latency_ms: float = 0.5,
+        divergence_every: Optional[int] = None,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        for name, value, low in (("log_every", log_every, 1), ("histogram_every", histogram_every, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low} (optimizer steps), got {value!r}")
+        if divergence_every is not None and (isinstance(divergence_every, bool) or not isinstance(divergence_every, int) or divergence_every < 1):
+            raise ValueError(f"divergence_every must be a positive integer or None, got {divergence_every!r}")
+        bandwidths = [1.0, 10.0] if bandwidths_gbps is None else list(bandwidths_gbps)
+        if not bandwidths or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0 for b in bandwidths):
+            raise ValueError(f"bandwidths_gbps must be a non-empty list of positive numbers (Gbit/s), got {bandwidths_gbps!r}")
+        if isinstance(latency_ms, bool) or not isinstance(latency_ms, (int, float)) or latency_ms < 0:
+            raise ValueError(f"latency_ms must be a number >= 0 (milliseconds per hop), got {latency_ms!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        self.log_every = log_every
+        self.histogram_every = histogram_every
+        self.bandwidths_gbps = [float(b) for b in bandwidths]
+        self.latency_ms = float(latency_ms)
+        self.divergence_every = divergence_every
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.totals: dict[str, float] = self._zero_totals()
+        self.last_metrics: dict[str, float] = {}
+        self.summary: dict[str, Any] = {}
+        self._ledger: Optional[ByteLedger] = None
+        self._seen_steps = 0
+        self._groups: dict[Tensor, str] = {}
+        self._divergence_every: Optional[int] = None
+
+    def _zero_totals(self) -> dict[str, float]:
+        totals = {"steps": 0.0, "sent_bytes": 0.0, "received_bytes": 0.0, "ddp_bytes": 0.0}
+        for b in self.bandwidths_gbps:
+            totals[f"modeled_seconds/{b:g}Gbps"] = 0.0
+            totals[f"ddp_modeled_seconds/{b:g}Gbps"] = 0.0
+        return totals
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        ledger = getattr(trainer.strategy, "ledger", None)
+        if not isinstance(ledger, ByteLedger):
+            raise ValueError(
+                f"CommunicationMonitor reads the byte ledger of our strategies, but {type(trainer.strategy).__name__} has "
+                "none: use Trainer(strategy='demo') or 'desloc', or remove the callback"
+            )
+        self._ledger = ledger
+        self._seen_steps = ledger.steps
+        self.totals = self._zero_totals()  # a resumed fit restores them after setup
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.summary = {}
+        kinds = layer_kinds(pl_module)
+        self._groups = {p: _GROUP_OF_KIND[kinds[name]] for p, name in named_trainable(pl_module).items()}
+        desloc = bool(getattr(trainer.strategy, "averagers", []))
+        self._divergence_every = self.divergence_every if self.divergence_every is not None else (50 if desloc else None)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        ledger = self._ledger
+        if ledger is None or ledger.steps == self._seen_steps or ledger.last_step is None:
+            return  # no optimizer step closed since the last look (gradient accumulation)
+        self._seen_steps = ledger.steps
+        traffic, records = ledger.last_step, list(ledger.step_records)
+        comm = communicator_of(trainer)
+        world = comm.world_size if comm is not None else 1
+        n_trainable = sum(p.numel() for p in self._groups)
+        t = self.totals
+        t["steps"] += 1
+        t["sent_bytes"] += traffic.sent_bytes
+        t["received_bytes"] += traffic.received_bytes
+        t["ddp_bytes"] += traffic.ddp_bytes
+        latency = self.latency_ms / 1000
+        modeled = {}
+        for b in self.bandwidths_gbps:
+            ours = modeled_seconds(records, b, latency)
+            ddp = self._ddp_seconds(traffic.ddp_bytes, n_trainable, world, b, latency)
+            t[f"modeled_seconds/{b:g}Gbps"] += ours
+            t[f"ddp_modeled_seconds/{b:g}Gbps"] += ddp
+            modeled[f"comm/modeled_seconds_per_step/{b:g}Gbps"] = ours
+            modeled[f"comm/ddp_modeled_seconds_per_step/{b:g}Gbps"] = ddp
+        step = int(trainer.global_step)
+        metrics: dict[str, float] = {}
+        if step % self.log_every == 0:
+            by_tag: dict[str, float] = defaultdict(float)
+            for r in records:
+                by_tag[r.tag] += r.sent_bytes
+            metrics.update({f"comm/step_sent_bytes/{tag}": v for tag, v in by_tag.items()})
+            metrics.update(modeled)
+            metrics["comm/cumulative_sent_bytes"] = t["sent_bytes"]
+            metrics["comm/cumulative_received_bytes"] = t["received_bytes"]
+            metrics["comm/cumulative_ratio_vs_ddp"] = _ratio(t["ddp_bytes"], t["sent_bytes"])
+            metrics.update(self._exchange_metrics(trainer))
+            metrics["comm/monitor_bytes"] = sum(v.sent_bytes for k, v in ledger.totals.items() if k.startswith("monitor/"))
+        if self._divergence_every and step % self._divergence_every == 0:
+            metrics["desloc/replica_divergence"] = self._divergence(trainer, pl_module)
+        if metrics:
+            self.last_metrics = metrics
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        if self.histogram_every and step % self.histogram_every == 0:
+            self._histograms(trainer, step)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        t = self.totals
+        steps = max(1.0, t["steps"])
+        self.summary = {
+            "optimizer_steps": int(t["steps"]),
+            "sent_bytes_per_step": t["sent_bytes"] / steps,
+            "received_bytes_per_step": t["received_bytes"] / steps,
+            "ratio_vs_ddp": _ratio(t["ddp_bytes"], t["sent_bytes"]),
+            "modeled_seconds": {b: t[f"modeled_seconds/{b:g}Gbps"] for b in self.bandwidths_gbps},
+            "ddp_modeled_seconds": {b: t[f"ddp_modeled_seconds/{b:g}Gbps"] for b in self.bandwidths_gbps},
+            "by_tag": {tag: (v.calls, v.sent_bytes) for tag, v in (self._ledger.totals.items() if self._ledger else [])},
+        }
+        if trainer.is_global_zero:
+            rank_zero_info(self.format_summary())
+
+    # ------------------------------------------------------------------ measurements
+    def _ddp_seconds(self, ddp_bytes: float, n_trainable: int, world: int, bandwidth: float, latency: float) -> float:
+        buckets = max(1, math.ceil(n_trainable * 4 / (self.bucket_cap_mb * 1024 * 1024)))
+        return buckets * 2 * max(0, world - 1) * latency + ddp_bytes * 8 / (bandwidth * 1e9)
+
+    def _exchange_metrics(self, trainer: Trainer) -> dict[str, float]:
+        exchanges = exchanges_of(trainer)
+        if not exchanges:
+            return {}
+        groups = sorted(set(self._groups.values()))
+        energy = torch.zeros(2 * len(groups) + 2, dtype=torch.float64)
+        for ex in exchanges:
+            for p, e in zip(ex.parameters(), ex.stats.energy):
+                g = groups.index(self._groups.get(p, "other"))
+                energy[2 * g] += e.captured
+                energy[2 * g + 1] += e.total
+            energy[-2] += ex.stats.coefficients
+            energy[-1] += sum(e.n_tiles * e.tile_numel for e in ex.stats.energy if e.k > 0)
+        comm = communicator_of(trainer)
+        if comm is not None and comm.world_size > 1:
+            comm.all_reduce_sum_(energy, "monitor/reduce")
+        out = {f"demo/energy_captured/{g}": float(energy[2 * i] / energy[2 * i + 1]) for i, g in enumerate(groups) if energy[2 * i + 1] > 0}
+        if energy[-1] > 0:
+            out["demo/keep_ratio"] = float(energy[-2] / energy[-1])
+        return out
+
+    @torch.no_grad()
+    def _divergence(self, trainer: Trainer, pl_module: LightningModule) -> float:
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        local = torch.cat([p.detach().reshape(-1).double() for p in params])
+        comm = communicator_of(trainer)
+        if comm is None or comm.world_size == 1:
+            return 0.0
+        mean = local.clone()
+        comm.all_reduce_sum_(mean, "monitor/divergence")
+        mean /= comm.world_size
+        spread = torch.stack([(local - mean).pow(2).sum(), mean.pow(2).sum() / comm.world_size])
+        comm.all_reduce_sum_(spread, "monitor/divergence")
+        variance = float(spread[0]) / comm.world_size
+        norm2 = float(spread[1])
+        return math.sqrt(variance) / math.sqrt(norm2) if norm2 > 0 else 0.0
+
+    @torch.no_grad()
+    def _histograms(self, trainer: Trainer, step: int) -> None:
+        writers = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        exchanges = exchanges_of(trainer)
+        if not writers or not exchanges or not trainer.is_global_zero:
+            return
+        coefficients: dict[str, list[Tensor]] = defaultdict(list)
+        norms: dict[str, list[float]] = defaultdict(list)
+        for ex in exchanges:
+            chunk = ex.config.chunk
+            for p in ex.parameters():
+                residual = ex.optimizer.state.get(p, {}).get("demo_momentum")
+                if residual is None:
+                    continue
+                group = self._groups.get(p, "other")
+                norms[group].append(float(residual.norm()))
+                layout = plan_tiles(tuple(residual.shape), chunk)
+                coefficients[group].append(dct2(to_tiles(residual.float(), layout)).abs().reshape(-1))
+        for writer in writers:
+            for group, values in coefficients.items():
+                writer.add_histogram(f"demo/dct_abs/{group}", torch.cat(values), step)
+                writer.add_histogram(f"demo/residual_norm/{group}", torch.tensor(norms[group]), step)
+
+    # ------------------------------------------------------------------ summary
+    def format_summary(self) -> str:
+        """The fit-end summary as text (a rich table when ``rich`` is installed)."""
+        s = self.summary
+        if not s:
+            return "CommunicationMonitor: no optimizer step recorded"
+        rows = [
+            ("optimizer steps", f"{s['optimizer_steps']}"),
+            ("bytes sent / step / worker", f"{s['sent_bytes_per_step']:,.0f}"),
+            ("bytes received / step / worker", f"{s['received_bytes_per_step']:,.0f}"),
+            ("ratio vs DDP (bytes)", f"{s['ratio_vs_ddp']:.1f}x"),
+        ]
+        for b, secs in s["modeled_seconds"].items():
+            ddp = s["ddp_modeled_seconds"][b]
+            rows.append((f"modeled comm time at {b:g} Gbit/s", f"{secs:.2f} s (DDP {ddp:.2f} s)"))
+        for tag, (calls, sent) in sorted(s["by_tag"].items()):
+            rows.append((f"  {tag}", f"{calls} calls, {sent:,.0f} B sent"))
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            width = max(len(r[0]) for r in rows)
+            return "Communication summary\n" + "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+        table = Table(title="Communication summary")
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        for k, v in rows:
+            table.add_row(k, v)
+        console = Console(record=True, width=100)
+        with console.capture() as capture:
+            console.print(table)
+        return capture.get()
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"totals": dict(self.totals)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        totals = self._zero_totals()
+        totals.update({k: float(v) for k, v in state_dict.get("totals", {}).items() if k in totals})
+        self.totals = totals
+
+
+def _ratio(ddp: float, ours: float) -> float:
+    return ddp / ours if ours > 0 else (1.0 if ddp == 0 else float("inf"))

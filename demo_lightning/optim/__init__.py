@@ -1,0 +1,5 @@
+"""Optimizers: update rules that compose with the DeMo exchange and DES-LOC averaging."""
+
+from demo_lightning.optim.decoupled_momentum import DecoupledMomentum, decoupled_momentum_update
+
+__all__ = ["DecoupledMomentum", "decoupled_momentum_update"]
