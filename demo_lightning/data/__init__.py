@@ -1,5 +1,7 @@
-"""Offline data modules."""
+"""Offline data modules: bytes of text (the standard library's sources by default) and images
+(scikit-learn's digits by default); both take a path to the user's own data."""
 
+from demo_lightning.data.images import ImageDataModule, load_digits_tensors
 from demo_lightning.data.text import ByteWindows, TextDataModule, load_text_corpus, stdlib_source_root
 
-__all__ = ["ByteWindows", "TextDataModule", "load_text_corpus", "stdlib_source_root"]
+__all__ = ["ByteWindows", "ImageDataModule", "TextDataModule", "load_digits_tensors", "load_text_corpus", "stdlib_source_root"]

@@ -139,3 +139,12 @@ class TextDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """The validation split (the corpus has no separate test split)."""
+        return self.val_dataloader()
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

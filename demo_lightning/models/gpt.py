@@ -8,13 +8,14 @@ tokens (vocabulary 256), so any text trains without a tokenizer.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
+
+from demo_lightning.models.training import OPTIMIZERS, OptimizerName, optimizer_with_schedule
 
 __all__ = ["GPT", "GPTLightningModule"]
 
@@ -89,7 +90,8 @@ class GPTLightningModule(pl.LightningModule):
         d_model: width.
         n_layer: blocks.
         n_head: attention heads.
-        optimizer: ``"sgd"`` (plain SGD: the pairing for DeMo's sign update) or ``"adamw"``.
+        optimizer: ``"sgd"`` (plain SGD: the pairing for DeMo's sign update), ``"adamw"`` or
+            ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`).
         lr: peak learning rate.
         weight_decay: decoupled weight decay (SGD's coupled decay equals it under a sign update).
         momentum: SGD momentum (0 for DeMo's sign update, which brings its own momentum).
@@ -103,7 +105,7 @@ class GPTLightningModule(pl.LightningModule):
         d_model: int = 192,
         n_layer: int = 4,
         n_head: int = 4,
-        optimizer: Literal["sgd", "adamw"] = "adamw",
+        optimizer: OptimizerName = "adamw",
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         momentum: float = 0.0,
@@ -111,8 +113,8 @@ class GPTLightningModule(pl.LightningModule):
         max_steps: int = 300,
     ) -> None:
         super().__init__()
-        if optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         self.save_hyperparameters()
         self.model = GPT(block_size=block_size, d_model=d_model, n_layer=n_layer, n_head=n_head)
 
@@ -137,20 +139,19 @@ class GPTLightningModule(pl.LightningModule):
         return loss
 
     @override
+    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        """The most likely next byte after every position of each window."""
+        return self.model(batch[:, :-1]).argmax(-1)
+
+    @override
+    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("test/loss", loss, sync_dist=True, batch_size=batch.shape[0])
+        return loss
+
+    @override
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        if hp.optimizer == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(
-                self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, momentum=hp.momentum
-            )
-        else:
-            opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-            return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizer_with_schedule(
+            self.parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.momentum, hp.warmup_steps, hp.max_steps
+        )

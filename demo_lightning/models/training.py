@@ -1,0 +1,52 @@
+"""The optimizer and learning-rate schedule the bundled models share."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["OPTIMIZERS", "OptimizerName", "optimizer_with_schedule"]
+
+OptimizerName = Literal["sgd", "adamw", "decoupled"]
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "decoupled")
+
+
+def optimizer_with_schedule(
+    parameters: Iterable[Tensor],
+    optimizer: str,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    warmup_steps: int,
+    max_steps: int,
+) -> dict[str, Any]:
+    """``configure_optimizers``'s return value: the optimizer with a linear warm-up over
+    ``warmup_steps`` then a cosine decay to 10 % of ``lr`` at ``max_steps`` (stepped per optimizer step).
+
+    ``optimizer``: ``"sgd"`` (``momentum``; 0 for DeMo's sign update), ``"adamw"``, or
+    ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`, beta 0.9, lambda 0.1, which
+    a :class:`~demo_lightning.callbacks.LayerPolicy` can set per layer).
+    """
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay, momentum=momentum)
+    elif optimizer == "adamw":
+        opt = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+    elif optimizer == "decoupled":
+        from demo_lightning.optim import DecoupledMomentum
+
+        opt = DecoupledMomentum(parameters, lr=lr, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

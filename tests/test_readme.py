@@ -1,0 +1,79 @@
+"""Every shell command in the README's ```bash blocks is exercised here (or is CI itself)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from demo_lightning.cli import main as cli_main
+
+from dist_helpers import clean_env, free_port
+
+ROOT = Path(__file__).parent.parent
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+COMMANDS = readme_commands()
+# covered elsewhere: CI runs the test suite; tests/test_cli.py runs this exact torchrun line
+ELSEWHERE = {  # command prefix -> where it runs
+    "bash scripts/test.sh": ".ci/run",
+    "torchrun --standalone --nproc-per-node 2 examples/own_module.py": "test_own_module_example_under_torchrun_keeps_replicas_identical",
+    "python scripts/tensorboard_picture.py": "test_tensorboard_picture_from_a_config_run",
+}
+
+
+def test_readme_has_the_quick_start_commands() -> None:
+    assert COMMANDS[:2] == ["bash scripts/main.sh", "bash scripts/test.sh"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_runs(command: str, tmp_path: Path) -> None:
+    if any(command.startswith(prefix) for prefix in ELSEWHERE):
+        return
+    args = shlex.split(command)
+    if args[0] == "demo-lightning":
+        # the CLI parses and resolves the command (training itself: tests/test_cli.py runs every config)
+        extra = [] if {"--help", "--print_config"} & set(args) else ["--print_config"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as info:
+            cli_main([*args[1:], *extra])
+        assert info.value.code in (0, None), out.getvalue()[-2000:]
+        assert out.getvalue().strip()
+    elif args[:2] == ["bash", "scripts/main.sh"]:
+        # the main job itself, cut to a few steps
+        env = clean_env()
+        env["MASTER_PORT"] = str(free_port())
+        quick = ["--max-steps", "3", "--val-check-interval", "3", "--max-bytes", "300000", "--no-progress-bar",
+                 "--log-dir", str(tmp_path / "runs")]
+        proc = subprocess.run([*args, *quick], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "ratio" in proc.stdout.lower()
+    else:
+        pytest.fail(f"README command {command!r} is not exercised by any test: add it here or to ELSEWHERE")
+
+
+def test_readme_python_entry_points_answer_help() -> None:
+    """Scripts the README names in prose (``python <path>``) exist and answer --help."""
+    text = (ROOT / "README.md").read_text()
+    scripts = sorted(set(re.findall(r"python ((?:benchmarks|examples|scripts)/[\w/]+\.py)", text)))
+    assert scripts
+    for script in scripts:
+        proc = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (script, proc.stderr[-2000:])
