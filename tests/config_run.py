@@ -24,7 +24,7 @@ def overrides(config: str, out: Path) -> list[str]:
     name = Path(config).stem
     args = [
         f"--trainer.max_steps={STEPS}", f"--trainer.val_check_interval={STEPS}", "--trainer.limit_val_batches=1",
-        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
         f"--trainer.logger.init_args.save_dir={out}", f"--trainer.logger.init_args.name={name}",
         f"--model.init_args.max_steps={STEPS}",
     ]

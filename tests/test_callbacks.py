@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from demo_lightning.algorithms import DeMoConfig, DeMoExchange, TensorSettings
-from demo_lightning.callbacks import AdaptiveKeepRatio, CommunicationMonitor, LayerPolicy, LayerRule, Schedule, layer_kinds
+from demo_lightning.callbacks import AdaptiveKeepRatio, LayerPolicy, LayerRule, Schedule, layer_kinds
 from demo_lightning.callbacks.communication_monitor import modeled_seconds
 from demo_lightning.comm import ByteLedger
 
@@ -44,20 +44,7 @@ def test_schedule_kinds_against_their_formulas() -> None:
         cos(5)
 
 
-@pytest.mark.parametrize(
-    "kwargs, names",
-    [
-        ({"kind": "exp"}, "kind"),
-        ({"kind": "linear", "start": 0.1}, "end"),
-        ({"kind": "linear", "start": 0.1, "end": 1.0, "steps": 0}, "steps"),
-        ({"kind": "milestones"}, "milestones"),
-        ({"kind": "milestones", "milestones": {-1: 0.1}}, "milestones"),
-        ({"begin": -3}, "begin"),
-    ],
-)
-def test_bad_schedule_names_the_field(kwargs: dict, names: str) -> None:
-    with pytest.raises(ValueError, match=names):
-        Schedule(**kwargs)
+# bad arguments of every callback and Schedule: tests/test_bad_input.py (one row each)
 
 
 # ---------------------------------------------------------------- layer kinds
@@ -159,35 +146,6 @@ def test_modeled_seconds_is_hops_times_latency_plus_bytes_over_bandwidth() -> No
     sent = sum(r.sent_bytes for r in records)
     expected = (3 + 6) * 0.001 + sent * 8 / 1e9
     assert modeled_seconds(records, 1.0, 0.001) == pytest.approx(expected)
-
-
-# ---------------------------------------------------------------- bad input
-@pytest.mark.parametrize(
-    "factory, names",
-    [
-        (lambda: AdaptiveKeepRatio(energy=1.5), "energy"),
-        (lambda: AdaptiveKeepRatio(keep_ratio=0.0), "keep_ratio"),
-        (lambda: AdaptiveKeepRatio(min_keep_ratio=0.5, max_keep_ratio=0.1), "min_keep_ratio"),
-        (lambda: AdaptiveKeepRatio(update_every=0), "update_every"),
-        (lambda: AdaptiveKeepRatio(max_bytes_per_step=-1), "max_bytes_per_step"),
-        (lambda: AdaptiveKeepRatio(keep_ratio=Schedule(kind="linear", start=0.01, end=2.0)), "keep_ratio"),
-        (lambda: LayerPolicy(preset="audio"), "preset"),
-        (lambda: LayerPolicy(rules=[{"pattern": "*"}]), "rules"),
-        (lambda: LayerRule(kind="mlp"), "kind"),
-        (lambda: LayerRule(pattern="re:("), "regex"),
-        (lambda: LayerRule(beta=1.0), "beta"),
-        (lambda: LayerRule(keep_ratio=0.1, topk=4), "keep_ratio or topk"),
-        (lambda: LayerRule(lam=-0.1), "lam"),
-        (lambda: LayerRule(chunk=0), "chunk"),
-        (lambda: CommunicationMonitor(log_every=0), "log_every"),
-        (lambda: CommunicationMonitor(bandwidths_gbps=[0.0]), "bandwidths_gbps"),
-        (lambda: CommunicationMonitor(latency_ms=-1), "latency_ms"),
-        (lambda: CommunicationMonitor(divergence_every=0), "divergence_every"),
-    ],
-)
-def test_bad_callback_arguments_name_themselves(factory: Any, names: str) -> None:
-    with pytest.raises(ValueError, match=names):
-        factory()
 
 
 # ---------------------------------------------------------------- policy and budget in a real fit

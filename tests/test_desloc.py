@@ -201,12 +201,12 @@ def test_replicas_equal_after_each_sync_differ_between_and_recover_from_lost_sta
     n, buffers = r0["n"], 2 * 32
     per_param = 2 * (2 - 1) / 2 * 4
     total = sum(s["sent"] for s in r0["steps"])
-    # the only other traffic: one-off agreements on which keys (3 int64) and which tensors (1 + 3 per tensor) to
-    # average; they count in the ledger's totals but in no optimizer step's traffic
-    checks = (2 - 1) * (3 + 1 + 3 * 8) * 8
+    # the only other traffic: one-off agreements on which keys and which tensors to average (a count and a
+    # 64-bit digest each: 2 int64); they count in the ledger's totals but in no optimizer step's traffic
+    checks = (2 - 1) * 2 * 2 * 8
     assert total + checks == sum(r0["totals"].values())
-    assert r0["totals"].pop("desloc/keys") == (2 - 1) * 3 * 8
-    assert r0["totals"].pop("desloc/layout") == (2 - 1) * (1 + 3 * (6 + 2)) * 8
+    assert r0["totals"].pop("desloc/keys") == (2 - 1) * 2 * 8
+    assert r0["totals"].pop("desloc/layout") == (2 - 1) * 2 * 8
     assert set(r0["totals"]) == {"desloc/params", "desloc/buffers", "desloc/state/exp_avg", "desloc/state/exp_avg_sq"}
     expected_total = per_param * (steps / k_x * (n + buffers) + steps / 6 * n + steps / 12 * n)
     assert total == pytest.approx(expected_total)
@@ -237,7 +237,7 @@ def _rosenbrock(rank: int, world: int, config: dict, steps: int) -> float:
     "config",
     [
         {"param_sync_every": 8, "state_sync_every": {"exp_avg": 24, "exp_avg_sq": 48}},  # DES-LOC
-        {"param_sync_every": 8, "state_sync_every": {"exp_avg": 8, "exp_avg_sq": 8}},  # Local Adam
+        pytest.param({"param_sync_every": 8, "state_sync_every": {"exp_avg": 8, "exp_avg_sq": 8}}, marks=pytest.mark.slow),  # Local Adam
     ],
 )
 def test_rosenbrock_with_noisy_workers_converges(tmp_path: Path, config: dict) -> None:

@@ -72,22 +72,28 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", ["topk-bf16", "lowpass-fp32"])
-def test_two_ranks_with_identical_data_equal_one_rank_bitwise(tmp_path: Path, name: str) -> None:
-    one = run_workers(_train, 1, tmp_path / "w1", 4, True, CONFIGS[name])[0]
-    two = run_workers(_train, 2, tmp_path / "w2", 4, True, CONFIGS[name])
-    for result in two:
-        for p1, p2 in zip(one["params"], result["params"]):
-            assert torch.equal(p1, p2)
-        assert result["momentum_hashes"] == one["momentum_hashes"]
+def _train_each(rank: int, world: int, steps: int, same_data: bool, names: list[str]) -> dict[str, dict[str, Any]]:
+    """``_train`` for several configurations in the same worker processes (one spawn, one import)."""
+    return {name: _train(rank, world, steps, same_data, CONFIGS[name]) for name in names}
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_replicas_stay_bitwise_identical_while_momenta_differ(tmp_path: Path, name: str) -> None:
-    ranks = run_workers(_train, 2, tmp_path, 4, False, CONFIGS[name])
-    assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]  # after every step
-    # negative control: with different data the local momenta (residuals) differ
-    assert ranks[0]["momentum_hashes"][-1] != ranks[1]["momentum_hashes"][-1]
+def test_two_ranks_with_identical_data_equal_one_rank_bitwise(tmp_path: Path) -> None:
+    names = ["topk-bf16", "lowpass-fp32"]
+    one = run_workers(_train_each, 1, tmp_path / "w1", 4, True, names)[0]
+    two = run_workers(_train_each, 2, tmp_path / "w2", 4, True, names)
+    for name in names:
+        for result in two:
+            for p1, p2 in zip(one[name]["params"], result[name]["params"]):
+                assert torch.equal(p1, p2), name
+            assert result[name]["momentum_hashes"] == one[name]["momentum_hashes"], name
+
+
+def test_replicas_stay_bitwise_identical_while_momenta_differ_for_every_codec_configuration(tmp_path: Path) -> None:
+    ranks = run_workers(_train_each, 2, tmp_path, 4, False, sorted(CONFIGS))
+    for name in CONFIGS:
+        assert ranks[0][name]["param_hashes"] == ranks[1][name]["param_hashes"], name  # after every step
+        # negative control: with different data the local momenta (residuals) differ
+        assert ranks[0][name]["momentum_hashes"][-1] != ranks[1][name]["momentum_hashes"][-1], name
 
 
 def test_branch_used_on_one_rank_only_completes_in_sync(tmp_path: Path) -> None:

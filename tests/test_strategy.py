@@ -136,6 +136,7 @@ def test_two_process_bf16_mixed_fit_keeps_replicas_identical(tmp_path: Path) -> 
     assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
 
 
+@pytest.mark.slow  # superseded in CI by tests/test_resume.py (demo, desloc, combination; exception and kill)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_resume_continues_bitwise_identically_on_every_rank(tmp_path: Path, optimizer: str) -> None:
     extra = ["--optimizer", optimizer, "--max-bytes", "30000", "--strategy-json", json.dumps({"update": "sign" if optimizer == "sgd" else "raw"})]
@@ -175,6 +176,7 @@ DESLOC = [
 ]
 
 
+@pytest.mark.slow  # superseded in CI by tests/test_resume.py's desloc variant
 def test_desloc_fit_syncs_on_schedule_and_resumes_between_syncs_bitwise(tmp_path: Path) -> None:
     ckpt = tmp_path / "half.ckpt"
     full = _fit(tmp_path / "full", "--max-epochs", "2", *DESLOC)

@@ -29,6 +29,7 @@ cannot complete raises after the process group's timeout.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -281,10 +282,13 @@ class CompressedMean:
             size += item.nbytes
         fingerprint = [len(items)]
         for x, item in zip(tensors, items):
-            fingerprint += [x.numel(), x.dim(), int(item.dense), item.k, item.layout.tile_numel if item.layout else 0]
+            fingerprint += [
+                x.numel(), x.dim(), int(item.dense), item.k, item.layout.tile_numel if item.layout else 0,
+                zlib.crc32(str(item.dtype).encode()),  # dense tensors are summed in groups per compute dtype
+            ]
         self.comm.check_same(
             fingerprint, "codec/fingerprint",
-            "the list of tensors to average, or their per-tensor codec settings (k, chunk, dense)",
+            "the list of tensors to average (count, sizes, compute dtypes), or their per-tensor codec settings (k, chunk, dense)",
         )
         return _Plan(items, dense_groups, families, buckets)
 

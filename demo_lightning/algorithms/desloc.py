@@ -134,15 +134,24 @@ class DesLocConfig:
             _check_period("param_sync_every", self.param_sync_every)
         if self.state_sync_every is not None:
             if not isinstance(self.state_sync_every, Mapping):
-                raise ValueError(f"state_sync_every must map optimizer-state keys to periods, got {self.state_sync_every!r}")
+                raise ValueError(
+                    f"state_sync_every must map optimizer-state keys to periods, e.g. {{'exp_avg': 48, 'exp_avg_sq': 96}} "
+                    f"({{}}: never average states), got {self.state_sync_every!r}"
+                )
             for key, period in self.state_sync_every.items():
                 if key in _NEVER_AVERAGED:
                     raise ValueError(f"state_sync_every[{key!r}]: step counters are never averaged; remove {key!r}")
                 _check_period(f"state_sync_every[{key!r}]", period)
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm must be > 0 (or None), got {self.clip_grad_norm!r}")
+        for name in ("sync_buffers", "compress_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compress_params and self.param_sync_every is None:
-            raise ValueError("compress_params=True needs param_sync_every (the parameter sync it compresses)")
+            raise ValueError(
+                "compress_params=True needs param_sync_every (the parameter sync it compresses): set param_sync_every, "
+                "or compress_params=False"
+            )
         if not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
 

@@ -214,7 +214,8 @@ class LayerPolicy(Callback):
                     if setting == "beta" and p not in self._owner and not self._optimizers:
                         raise ValueError(
                             f"LayerRule(pattern={rule.pattern!r}) sets beta for {name}, but there is neither a DeMo exchange "
-                            "(strategy='demo') nor a DecoupledMomentum optimizer to apply it to"
+                            "(strategy='demo') nor a DecoupledMomentum optimizer to apply it to: use strategy='demo' or "
+                            "demo_lightning.optim.DecoupledMomentum, or remove beta from the rule"
                         )
                     taken.add(setting)
                     chosen[field_name] = value

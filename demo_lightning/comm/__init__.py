@@ -1,6 +1,6 @@
 """Collectives and their byte ledger: the only place ``torch.distributed`` is called."""
 
-from demo_lightning.comm.collectives import Communicator
+from demo_lightning.comm.collectives import CollectiveError, Communicator
 from demo_lightning.comm.ledger import (
     ByteLedger,
     CollectiveRecord,
@@ -13,6 +13,7 @@ from demo_lightning.comm.ledger import (
 
 __all__ = [
     "ByteLedger",
+    "CollectiveError",
     "CollectiveRecord",
     "Communicator",
     "StepTraffic",

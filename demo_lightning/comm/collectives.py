@@ -8,13 +8,18 @@ With a world of one (or no initialised process group) every collective is the id
 ledger still records the payload (its modeled wire bytes are zero).
 
 Failure: a collective that does not complete raises on every rank after the process group's
-timeout (set it with the strategy's ``timeout``); nothing here retries.
+timeout (set it with the strategy's ``timeout``); nothing here retries. The backend's own error
+(gloo: ``Timed out waiting 1800000ms for recv operation``, or ``Connection closed by peer``) is
+re-raised as :class:`CollectiveError`, whose message names the collective, its ledger tag, this
+rank, the timeout and the likely causes; the backend's error is kept as ``__cause__``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -23,7 +28,17 @@ from torch import Tensor
 
 from demo_lightning.comm.ledger import ByteLedger
 
-__all__ = ["Communicator"]
+__all__ = ["CollectiveError", "Communicator"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: a peer stopped answering (hung, blocked before the
+    collective, much slower than the timeout), a peer process was lost, or the ranks ran different
+    collectives. The backend's own error is the ``__cause__``."""
+
+
+_TIMEOUT_WORDS = ("timed out", "timeout", "deadline")
+_LOST_WORDS = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket", "peer")
 
 
 class Communicator:
@@ -32,10 +47,17 @@ class Communicator:
     Args:
         group: the process group (``None``: the default group, if initialised).
         ledger: where to record; a new ledger for this rank by default.
+        timeout: the process group's collective timeout, named in error messages (``None``: unknown).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, ledger: Optional[ByteLedger] = None) -> None:
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        ledger: Optional[ByteLedger] = None,
+        timeout: Optional[timedelta] = None,
+    ) -> None:
         self.group = group
+        self.timeout = timeout
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
@@ -43,12 +65,40 @@ class Communicator:
         self.ledger.rank = self.rank
         self.seconds = 0.0  # wall time spent inside collectives
 
-    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _timed(self, op: str, tag: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
+        except RuntimeError as error:  # torch.distributed.DistError and the backends' errors derive from it
+            raise CollectiveError(self._failure_message(op, tag, time.perf_counter() - start, error)) from error
         finally:
             self.seconds += time.perf_counter() - start
+
+    def _failure_message(self, op: str, tag: str, seconds: float, error: BaseException) -> str:
+        """What failed, where, after how long, and what to do about it."""
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        lowered = text.lower()
+        limit = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the process group's timeout"
+        where = f"{op} '{tag}' failed on rank {self.rank} of {self.world_size} after {seconds:.1f} s"
+        if any(word in lowered for word in _TIMEOUT_WORDS):
+            cause = (
+                f"it did not complete within the collective timeout ({limit}): a peer stopped answering. Likely causes: a "
+                "rank hangs or is blocked before this collective (a deadlock, a long checkpoint, validation or data loading "
+                "on one rank only), a rank crashed without closing its connections, or the ranks ran different collectives "
+                "(different models, settings or code paths). Check the other ranks' logs; if a peer is only slow, raise "
+                "the strategy's timeout= (seconds)"
+            )
+        elif any(word in lowered for word in _LOST_WORDS):
+            cause = (
+                "the connection to a peer was lost: a peer process exited, crashed or was killed (check its logs), or the "
+                f"network between the ranks failed. Collective timeout: {limit}"
+            )
+        else:
+            cause = (
+                "the backend raised an error; if another rank failed or called a different collective, its log names "
+                f"the first cause. Collective timeout: {limit}"
+            )
+        return f"{where}: {cause}. Backend error: {text}"
 
     @property
     def active(self) -> bool:
@@ -66,21 +116,21 @@ class Communicator:
         if not self.active:
             return [buffer]
         out = [torch.empty_like(buffer) for _ in range(self.world_size)]
-        self._timed(dist.all_gather, out, buffer.contiguous(), group=self.group)
+        self._timed("all_gather", tag, dist.all_gather, out, buffer.contiguous(), group=self.group)
         return out
 
     def all_reduce_sum_(self, tensor: Tensor, tag: str) -> Tensor:
         """Sum ``tensor`` over ranks in place (bitwise identical on every rank) and return it."""
         self.ledger.record("all_reduce", tag, tensor.numel() * tensor.element_size(), self.world_size)
         if self.active:
-            self._timed(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.group)
+            self._timed("all_reduce", tag, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def broadcast_(self, tensor: Tensor, tag: str, src: int = 0) -> Tensor:
         """Overwrite ``tensor`` with rank ``src``'s copy, in place."""
         self.ledger.record("broadcast", tag, tensor.numel() * tensor.element_size(), self.world_size, root=src)
         if self.active:
-            self._timed(dist.broadcast, tensor, src=self._global_rank(src), group=self.group)
+            self._timed("broadcast", tag, dist.broadcast, tensor, src=self._global_rank(src), group=self.group)
         return tensor
 
     def broadcast_tensors_(self, tensors: list[Tensor], tag: str, src: int = 0) -> None:
@@ -120,17 +170,25 @@ class Communicator:
     def check_same(self, values: list[int], tag: str, what: str) -> None:
         """Raise ``RuntimeError`` on every rank if ``values`` (e.g. a model fingerprint) differ across ranks.
 
+        Every rank sends the same 16 bytes whatever ``values`` holds (their count and a 64-bit digest),
+        so ranks whose fingerprints differ in length still meet in one well-formed all-gather and all
+        raise the same clear error (gloo aborts the process on an all-gather of unequal sizes).
+        ``values[0]`` should count the items compared; the error reports it per rank.
+
         The check is counted in the ledger's totals but not in the open step's traffic: it runs when a
         layout changes (first step, after a resume), not as part of the algorithm's per-step cost.
         """
-        mine = torch.tensor(values, dtype=torch.int64)
+        raw = torch.tensor(values, dtype=torch.int64).numpy().tobytes()
+        digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
+        mine = torch.tensor([int(values[0]) if values else 0, digest], dtype=torch.int64)
         gathered = self.all_gather_bytes(mine.view(torch.uint8), tag, per_step=False)
         rows = [g.view(torch.int64) for g in gathered]
         bad = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
         if bad:
+            counts = ", ".join(f"rank {r}: {int(rows[r][0])}" for r in [0, *bad])
             raise RuntimeError(
-                f"{what} differs between rank 0 and rank(s) {bad}; every rank must build the same model "
-                "with the same trainable parameters in the same order"
+                f"{what} differs between rank 0 and rank(s) {bad} (items: {counts}); every rank must build the same "
+                "model with the same trainable parameters (requires_grad) in the same order"
             )
 
     def _global_rank(self, group_rank: int) -> int:

@@ -14,9 +14,10 @@ world size restores the shared parts and restarts the per-rank parts from rank 0
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, get_args
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import LightningModule, Trainer
@@ -55,6 +56,29 @@ def as_timedelta(timeout: Union[float, int, timedelta], name: str = "timeout") -
     return timedelta(seconds=seconds)
 
 
+def _check_start_method(start_method: Any) -> None:
+    allowed = get_args(StartMethod)
+    if start_method not in allowed:
+        raise ValueError(
+            f"start_method must be one of {allowed}, got {start_method!r}; 'popen' (the default) re-runs the script for "
+            "each local process, 'spawn' starts fresh interpreters (where re-running the command line is wrong, e.g. pytest)"
+        )
+
+
+def _check_backend(backend: Any) -> None:
+    """Reject a process-group backend torch does not know at construction (torch would fail at fit start)."""
+    if backend is None:
+        return
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    # torch also accepts per-device forms such as "cpu:gloo,cuda:nccl"
+    parts = [p.split(":")[-1].strip().lower() for p in backend.split(",")] if isinstance(backend, str) else []
+    if not parts or any(p not in known for p in parts):
+        raise ValueError(
+            f"process_group_backend must be one of {known} (or None to choose from the device: 'gloo' on CPU, 'nccl' on "
+            f"GPU), got {backend!r}"
+        )
+
+
 def _unwrap(optimizer: Any) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
@@ -87,6 +111,8 @@ class CommunicationStrategy(DDPStrategy):
         nonfinite: NonFinitePolicy = "skip",
     ) -> None:
         self.nonfinite: NonFinitePolicy = check_nonfinite_policy(nonfinite)
+        _check_start_method(start_method)
+        _check_backend(process_group_backend)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -113,7 +139,7 @@ class CommunicationStrategy(DDPStrategy):
     def communicator(self) -> Communicator:
         """Collectives of this strategy (created once the process group exists)."""
         if self._communicator is None:
-            self._communicator = Communicator(ledger=self.ledger)
+            self._communicator = Communicator(ledger=self.ledger, timeout=self._timeout)
         return self._communicator
 
     @property
@@ -278,16 +304,15 @@ class CommunicationStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None or module._trainer is None:
             return
+        options: dict[str, Any] = dict(on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+        # the progress bar shows this step's bytes sent (B/step) next to the loss
+        module.log("comm/bytes_sent_per_step", float(traffic.sent_bytes), prog_bar=True, **options)
         module.log_dict(
             {
-                "comm/bytes_sent_per_step": float(traffic.sent_bytes),
                 "comm/bytes_received_per_step": float(traffic.received_bytes),
                 "comm/ratio_vs_ddp": float(self.ledger.cumulative_ratio_vs_ddp),
             },
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-            sync_dist=False,
+            **options,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -365,10 +390,16 @@ def _without_demo(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]
 
 
 def _copy_all(targets: list[Tensor], sources: list[Tensor], what: str) -> None:
-    if len(targets) != len(sources) or any(t.shape != s.shape for t, s in zip(targets, sources)):
+    wrong = [(i, tuple(s.shape), tuple(t.shape)) for i, (t, s) in enumerate(zip(targets, sources)) if t.shape != s.shape]
+    if len(targets) != len(sources) or wrong:
+        detail = (
+            f"{len(sources)} saved, {len(targets)} here" if len(targets) != len(sources)
+            else f"{what[:-1]} {wrong[0][0]} (in the optimizer's order) has shape {wrong[0][1]} in the checkpoint, {wrong[0][2]} here"
+        )
         raise ValueError(
-            f"the checkpoint's per-worker {what} do not match this model ({len(sources)} saved, {len(targets)} here, "
-            "or different shapes): it comes from a different model"
+            f"the checkpoint's per-worker {what} do not match this model ({detail}): it comes from a different model or "
+            "one with other frozen layers (requires_grad=False); resume with the model and frozen layers that wrote it, "
+            "or load only its weights (without ckpt_path)"
         )
     for t, s in zip(targets, sources):
         t.copy_(s)
