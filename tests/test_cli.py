@@ -208,3 +208,27 @@ def test_bundled_digits_and_timm_models_build_offline() -> None:
         assert model(x).shape == (8, 10)
     with pytest.raises(ValueError, match="model_name"):
         ImageClassifier(model_name="resnet_does_not_exist")
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+def test_validate_test_and_predict_subcommands_and_the_progress_bar_bytes(tmp_path: Path) -> None:
+    config = str(ROOT / "configs" / "gpt_demo.yaml")
+    small = [
+        "--config", config, "--trainer.devices=1", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.max_bytes=200000",
+        "--data.init_args.max_val_bytes=4000", "--model.init_args.d_model=32", "--model.init_args.n_layer=1",
+        "--model.init_args.n_head=2", "--model.init_args.block_size=32", "--data.init_args.block_size=32",
+    ]
+    fitted = build_cli(["fit", *small, "--trainer.max_steps=2", "--trainer.limit_val_batches=0"])
+    # the strategy puts this step's bytes on the progress bar
+    assert "comm/bytes_sent_per_step" in fitted.trainer.progress_bar_metrics
+    ckpt = tmp_path / "fitted.ckpt"
+    fitted.trainer.save_checkpoint(ckpt)
+    validated = build_cli(["validate", *small, f"--ckpt_path={ckpt}"])
+    assert torch.isfinite(torch.tensor(float(validated.trainer.callback_metrics["val/loss"])))
+    tested = build_cli(["test", *small, f"--ckpt_path={ckpt}"])
+    assert torch.isfinite(torch.tensor(float(tested.trainer.callback_metrics["test/loss"])))
+    predicted = build_cli(["predict", *small, f"--ckpt_path={ckpt}", "--trainer.limit_predict_batches=2"])
+    assert predicted.trainer.predict_loop.predictions  # next-byte predictions per window
+    first = predicted.trainer.predict_loop.predictions[0]
+    assert first.dtype == torch.int64 and first.shape[-1] == 32
