@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from readme_section import replace_section
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -130,14 +132,7 @@ def main() -> None:
     (RESULTS / "first_figures.md").write_text(table)
     print(table)
     if args.update_readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        start, end = "<!-- first-figures:start -->", "<!-- first-figures:end -->"
-        if start not in text or end not in text:
-            raise SystemExit(f"README.md lacks the markers {start} / {end}")
-        head, rest = text.split(start, 1)
-        readme.write_text(head + start + "\n" + table + end + rest.split(end, 1)[1])
-
+        replace_section("first-figures", table)
 
 if __name__ == "__main__":
     main()

@@ -27,12 +27,13 @@ import hashlib
 import json
 import os
 import platform
-import re
 import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from readme_section import replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -159,17 +160,11 @@ def render(result: dict[str, Any]) -> str:
 
 
 def update_readme(rows: list[str]) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
     header = (
         "| strategy | workers | steps | checkpoint | replicas equal where required | steps differing between syncs "
         "| resident memory growth per rank after the first checkpoint (MB; fitted slope) | wall |\n|---|---|---|---|---|---|---|---|"
     )
-    table = "<!-- soak:start -->\n" + header + "\n" + "\n".join(rows) + "\n<!-- soak:end -->"
-    text, n = re.subn(r"<!-- soak:start -->.*?<!-- soak:end -->", table, text, flags=re.S)
-    if n != 1:
-        raise SystemExit("README has no <!-- soak:start --> ... <!-- soak:end --> markers")
-    readme.write_text(text)
+    replace_section("soak", header + "\n" + "\n".join(rows))
 
 
 def main() -> None:

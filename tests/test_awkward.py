@@ -203,7 +203,10 @@ def _peer_failure(out: Path, timeout: float, *args: str, limit: float) -> tuple[
     ("strategy", "hook", "hang_at", "tag"),
     [
         ("demo", "training_step", 2, "guard/nonfinite"),  # blocked before the step's first collective
-        ("desloc", "before_optimizer_step", 3, "desloc/params"),  # blocked after the guard, before a parameter sync
+        pytest.param(  # blocked after the guard, before a parameter sync; in CI the DES-LOC sync's timeout is
+            # covered by test_desloc's lost-peer test and test_resume's killed rank
+            "desloc", "before_optimizer_step", 3, "desloc/params", marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_hung_peer_makes_the_other_rank_fail_within_the_timeout(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from demo_lightning.models import GPT
 
@@ -79,3 +81,74 @@ def test_codec_benchmark_quick_runs_and_its_byte_table_matches_the_ledger_formul
     for fmt in ("bf16", "fp32"):  # low-pass all-reduces: a constant ratio to DDP, never crosses
         assert table["crossover"][f"lowpass {fmt}"]["world_size"] is None
         assert all(row[f"lowpass {fmt}"]["received"] < row["ddp"]["received"] for row in rows.values())
+
+
+# ---------------------------------------------------------------------------------------------- compare.py
+def _load_compare() -> Any:
+    if str(ROOT / "benchmarks") not in sys.path:  # compare.py imports its sibling readme_section
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("compare_benchmark", ROOT / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_quick_run_writes_records_plots_and_a_table_that_rerenders(tmp_path: Path) -> None:
+    compare = _load_compare()
+    out = tmp_path / "results"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--methods", "ddp,demo+desloc", "--world-sizes", "2",
+           "--steps", "6", "--val-every", "3", "--warmup", "1", "--max-bytes", "300000",
+           "--out", str(out), "--workdir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    saved = json.loads((out / "latest.json").read_text())
+    meta, records = saved["meta"], saved["records"]
+    by = {r["method"]: r for r in records}
+    assert set(by) == {"ddp", "demo+desloc"}
+    required = {"method", "world_size", "steps", "final_val_loss", "bytes_sent_per_step", "bytes_received_per_step",
+                "ratio_vs_ddp", "step_time_s", "exchange_share", "peak_rss_mb"}
+    gpt = GPT(block_size=128, d_model=128, n_layer=2)
+    params = list(gpt.parameters())
+    n = sum(p.numel() for p in params)
+    for r in records:
+        assert required <= set(r), required - set(r)
+        assert r["world_size"] == 2 and r["steps"] == 6 and r["n_trainable"] == n == meta["n_trainable"]
+        assert [s for s, _ in r["val_curve"]] == [3, 6]
+        assert 0 < r["final_val_loss"] < math.log(256) + 0.5 and r["final_val_loss"] == r["val_curve"][-1][1]
+        assert 0 < r["step_time_s"] and 0 <= r["compute_s"] <= r["step_time_s"] and 200 < r["peak_rss_mb"] < 8000
+        assert math.isclose(r["ratio_vs_ddp"], r["ddp_bytes_per_step"] / r["bytes_sent_per_step"], rel_tol=1e-12)
+        for b, modeled in r["modeled"].items():  # step time at B = compute + the ledger's bytes and hops
+            assert math.isclose(modeled["step_s"], r["compute_s"] + r["modeled_comm_s_per_step"][b], rel_tol=1e-12)
+    ddp, ours = by["ddp"], by["demo+desloc"]
+    # DDP: one fp32 ring all-reduce of every gradient, 2 (W-1)/W * 4 n; no exchange of ours
+    assert ddp["bytes_sent_per_step"] == ddp["bytes_received_per_step"] == 4 * n and ddp["exchange_share"] == 0
+    # ours, before any DES-LOC sync: the top-k sign payload (all-gathered: (W-1) x payload), the dense
+    # tensors' fp32 all-reduce and the guard's byte, exactly
+    payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
+    dense = sum(4 * p.numel() for p in params if p.numel() < 4096)
+    assert ours["bytes_sent_per_step"] == ours["bytes_received_per_step"] == payload + dense + 1
+    assert ours["ratio_vs_ddp"] > 50 and 0 < ours["exchange_share"] < 1
+    # modeled time: 1 Gbit/s is slower than 100 Gbit/s for DDP, the link matters less for ours
+    slow, fast = ddp["modeled"]["1"]["step_s"], ddp["modeled"]["100"]["step_s"]
+    assert slow - fast > 0.9 * (4 * n * 8 / 1e9) * (1 - 1 / 100)
+    assert ours["modeled"]["1"]["step_s"] - ours["modeled"]["100"]["step_s"] < slow - fast
+    assert ddp["steps_to_target"] is not None and ddp["target_val_loss"] == ddp["final_val_loss"]
+    # plots are PNGs; the table is a pure function of the JSON
+    for name in ("compare_loss_vs_step.png", "compare_loss_vs_bytes.png", "compare_modeled_time.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    table = (out / "latest.md").read_text()
+    assert table == compare.render(meta, records) and "`demo+desloc`" in table and "| target |" in table
+    assert table.strip() in proc.stdout
+
+
+def test_readme_results_are_the_rendering_of_the_committed_json() -> None:
+    compare = _load_compare()
+    saved = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    records = saved["records"]
+    assert {r["method"] for r in records} == set(compare.ISSUE_METHODS) and {r["world_size"] for r in records} == {2, 4}
+    assert all(r["steps"] >= 500 for r in records)
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split(compare.README_START, 1)[1].split(compare.README_END, 1)[0]
+    assert section.strip() == compare.render(saved["meta"], records).strip()
+    assert (ROOT / "benchmarks" / "results" / "latest.md").read_text().strip() == section.strip()

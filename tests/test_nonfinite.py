@@ -281,6 +281,7 @@ def test_desloc_skip_keeps_the_schedule_counter_and_syncs_on_it(tmp_path: Path) 
     assert a["syncs"] == [{"params": (n - 1) // K_X, "state/exp_avg": (n - 1) // K_X, "state/exp_avg_sq": (n - 1) // (2 * K_X)}]
 
 
+@pytest.mark.slow  # in CI, tests/test_resume.py's combination variant skips a NaN step and resumes bitwise
 def test_demo_with_desloc_schedule_skip_keeps_residuals_and_counter(tmp_path: Path) -> None:
     s = 3
     options = {"param_sync_every": 4, "state_sync_every": {"demo_momentum": 2}}

@@ -67,6 +67,15 @@ def modeled_seconds(records: list[CollectiveRecord], bandwidth_gbps: float, late
     return sum(_hops(r) * latency_s + r.sent_bytes * 8 / (bandwidth_gbps * 1e9) for r in records)
 
 
+def ddp_modeled_seconds(
+    ddp_bytes: float, n_trainable: int, world_size: int, bandwidth_gbps: float, latency_s: float, bucket_cap_mb: float = 25.0,
+) -> float:
+    """DDP's modeled time for one step: one ring all-reduce (``2 (W - 1)`` hops) per gradient bucket
+    of ``bucket_cap_mb`` plus ``ddp_bytes`` on a link of ``bandwidth_gbps``."""
+    buckets = max(1, math.ceil(n_trainable * 4 / (bucket_cap_mb * 1024 * 1024)))
+    return buckets * 2 * max(0, world_size - 1) * latency_s + ddp_bytes * 8 / (bandwidth_gbps * 1e9)
+
+
 class CommunicationMonitor(Callback):
     """Log what the strategy sends and what it would cost on a real link (see the module docstring).
 
@@ -209,8 +218,7 @@ class CommunicationMonitor(Callback):
 
     # ------------------------------------------------------------------ measurements
     def _ddp_seconds(self, ddp_bytes: float, n_trainable: int, world: int, bandwidth: float, latency: float) -> float:
-        buckets = max(1, math.ceil(n_trainable * 4 / (self.bucket_cap_mb * 1024 * 1024)))
-        return buckets * 2 * max(0, world - 1) * latency + ddp_bytes * 8 / (bandwidth * 1e9)
+        return ddp_modeled_seconds(ddp_bytes, n_trainable, world, bandwidth, latency, self.bucket_cap_mb)
 
     def _exchange_metrics(self, trainer: Trainer) -> dict[str, float]:
         exchanges = exchanges_of(trainer)

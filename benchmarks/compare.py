@@ -1,0 +1,560 @@
+"""Every method side by side, in one invocation: bytes, loss, step time, memory and modeled time over real links.
+
+    .venv/bin/python benchmarks/compare.py                    # 9 methods x 2 and 4 workers, 520 steps (~75 min on 2 cores)
+    .venv/bin/python benchmarks/compare.py --world-sizes 2 --methods ddp,demo-sign1bit --steps 100
+    .venv/bin/python benchmarks/compare.py --render-only --update-readme   # re-render table, plots and README from the JSON
+
+The job is the main example's task (a byte-level GPT on the Python standard library's sources),
+scaled so 4 processes share 2 CPU cores: ``--d-model 128 --n-layer 2`` (443,648 parameters),
+16 windows of 128 bytes per worker per step. Every method trains on the same data, from the same
+seed, for the same number of optimizer steps, at each world size in turn (runs are sequential, so
+they do not compete for the cores):
+
+==================  ==========================================================================
+``ddp``             Lightning's ``DDPStrategy`` (fp32 gradient all-reduce every step), AdamW
+``demo``            DeMo, top-k 64 of every 64x64 DCT tile, fp32 values on the wire, sign update, SGD
+``demo-lowpass``    DeMo, the 64 lowest frequencies of every tile, bf16 values, all-reduced (no positions)
+``demo-int8``       DeMo, top-k 64, int8 values (one fp32 scale per tile)
+``demo-sign1bit``   DeMo, top-k 64, 1-bit signs (one fp32 scale per tile): ``Trainer(strategy="demo")``
+``desloc``          DES-LOC, AdamW: parameters every 256 steps, ``exp_avg`` every 768, ``exp_avg_sq`` every 1536
+``local-adam``      Local Adam: parameters and both moments every 512 steps (DES-LOC's long-run bytes)
+``demo+desloc``     ``demo-sign1bit`` plus DES-LOC averaging: parameters every 256 steps, residual every 512
+``desloc-compressed`` DES-LOC with parameter syncs through the DeMo codec every 16 steps (top-k 64,
+                    1-bit signs), moments every 768 / 1536 steps, AdamW
+==================  ==========================================================================
+
+Ablations, run only when named in ``--methods``: ``desloc-compressed-int8`` (int8 values in the
+compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps keeping 256 per tile).
+
+What is measured, per method and world size (every rank writes its own record; the parent merges):
+
+* ``final_val_loss``: mean validation loss (nats per byte) over the whole validation split after the
+  last step, averaged over the workers (under DES-LOC the replicas differ between syncs);
+  ``val_curve``: the same every ``--val-every`` steps.
+* ``bytes_sent_per_step`` / ``bytes_received_per_step``: from the strategy's byte ledger (ring
+  models of every collective this worker joined inside optimizer steps), mean over steps; for
+  ``ddp`` the ring all-reduce of every fp32 gradient, ``2 (W - 1) / W * 4 N``. ``ratio_vs_ddp`` is
+  DDP's bytes over ours for the same steps; ``steady_ratio_vs_ddp`` the long-run figure of a
+  periodic schedule (``1 / sum 1/K``), where the run is shorter than its longest period.
+* ``step_time_s``: median wall time of a training batch (forward, backward, exchange, update) on
+  rank 0, first ``--warmup`` steps dropped; ``exchange_share``: the time inside our exchange and
+  averaging calls (``DeMoExchange.step``, ``DesLocAverager.before_step`` / ``after_step``: codec
+  and collectives) plus the non-finite guard's collective, over the step time, summed over the run.
+* ``peak_rss_mb``: peak resident memory of the largest worker (``getrusage`` ``ru_maxrss``).
+* ``compute_s``: step time minus the time this worker spent in collectives (loopback gloo); for
+  ``ddp``, whose all-reduce overlaps the backward pass, minus the time of an all-reduce of all
+  gradients measured after training (this can only under-state DDP's compute, which favours DDP).
+* ``modeled``: for each bandwidth ``B`` in ``--bandwidths`` (Gbit/s), seconds per step
+  ``compute_s + sum over collectives (hops x latency + sent bytes x 8 / B)`` averaged over the
+  run (periodic syncs amortised), and the modeled wall time to reach DDP's final validation loss:
+  the first validation point at or below it, times that. ``None`` when a method never gets there.
+
+Writes ``<out>/latest.json`` (``{"meta": ..., "records": [...]}``), ``<out>/latest.md`` and the
+plots ``compare_loss_vs_step.png``, ``compare_loss_vs_bytes.png`` and ``compare_modeled_time.png``
+(modeled step time per bandwidth); ``--update-readme`` replaces the README's ``compare`` section with the rendered table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from readme_section import markers, replace_section
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README_START, README_END = markers("compare")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the comparison: a strategy's arguments and the optimizer it runs with."""
+
+    description: str
+    kind: str  # "ddp", "demo" or "desloc"
+    optimizer: str
+    lr: float
+    options: dict[str, Any] = field(default_factory=dict)
+    steady_periods: tuple[int, ...] = ()  # dense fp32 sync periods, for the long-run ratio to DDP
+
+
+ADAMW_LR, DEMO_LR = 1e-3, 1e-3
+METHODS: dict[str, Method] = {
+    "ddp": Method("Lightning DDP, AdamW", "ddp", "adamw", ADAMW_LR),
+    "demo": Method("DeMo top-k 64/4096, fp32 values, SGD", "demo", "sgd", DEMO_LR, {"value_format": "fp32"}),
+    "demo-lowpass": Method(
+        "DeMo low-pass 64/4096, bf16 values, all-reduce, SGD", "demo", "sgd", DEMO_LR,
+        {"selection": "lowpass", "value_format": "bf16"},
+    ),
+    "demo-int8": Method("DeMo top-k 64/4096, int8 values, SGD", "demo", "sgd", DEMO_LR, {"value_format": "int8"}),
+    "demo-sign1bit": Method("DeMo top-k 64/4096, 1-bit signs (the default), SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign"}),
+    "desloc": Method(
+        "DES-LOC K_x 256, K_u 768, K_v 1536, AdamW", "desloc", "adamw", ADAMW_LR,
+        {"param_sync_every": 256, "state_sync_every": {"exp_avg": 768, "exp_avg_sq": 1536}}, (256, 768, 1536),
+    ),
+    "local-adam": Method(
+        "Local Adam K 512 (params and both moments), AdamW", "desloc", "adamw", ADAMW_LR,
+        {"param_sync_every": 512, "state_sync_every": {"exp_avg": 512, "exp_avg_sq": 512}}, (512, 512, 512),
+    ),
+    "demo+desloc": Method(
+        "DeMo 1-bit + DES-LOC params every 256, residual every 512, SGD", "demo", "sgd", DEMO_LR,
+        {"value_format": "sign", "param_sync_every": 256, "state_sync_every": {"demo_momentum": 512}},
+    ),
+    "desloc-compressed": Method(
+        "DES-LOC, params through the codec every 16 (top-k 64, 1-bit), K_u 768, K_v 1536, AdamW", "desloc", "adamw",
+        ADAMW_LR, {"param_sync_every": 16, "compress_params": True, "state_sync_every": {"exp_avg": 768, "exp_avg_sq": 1536}},
+    ),
+}
+ISSUE_METHODS = tuple(METHODS)  # the default run: the nine methods the README's table compares
+# ablations, run on request (``--methods``): what the default table's misses point at
+METHODS["desloc-compressed-int8"] = Method(
+    "as desloc-compressed, int8 values (one scale per tile) in the parameter syncs", "desloc", "adamw", ADAMW_LR,
+    {**METHODS["desloc-compressed"].options, "value_format": "int8"},
+)
+METHODS["desloc-compressed-k64"] = Method(
+    "as desloc-compressed, parameter syncs every 64 steps keeping 256 per tile (about the same codec bytes)", "desloc", "adamw",
+    ADAMW_LR, {**METHODS["desloc-compressed"].options, "param_sync_every": 64, "topk": 256},
+)
+
+
+# ---------------------------------------------------------------------------------------------- worker
+def _strategy(method: Method, timeout: float) -> Any:
+    import demo_lightning
+
+    if method.kind == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend="gloo", start_method="popen")
+    if method.kind == "demo":
+        return demo_lightning.DeMoStrategy(timeout=timeout, **method.options)
+    return demo_lightning.DesLocStrategy(timeout=timeout, **method.options)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Train one method at one world size; every rank writes ``<out>.rank<r>.json``."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+
+    import demo_lightning
+    from demo_lightning.callbacks.communication_monitor import ddp_modeled_seconds, modeled_seconds
+    from demo_lightning.comm import ddp_bytes_per_step
+    from demo_lightning.data import TextDataModule
+    from demo_lightning.models import GPTLightningModule
+
+    method = METHODS[args.method]
+    bandwidths = [float(b) for b in args.bandwidths.split(",")]
+    latency = args.latency_ms / 1000
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self.rows: list[dict[str, Any]] = []
+            self.val_curve: list[tuple[int, float]] = []
+            self._t0 = self._comm0 = self.inside_s = self.inside_comm_s = 0.0
+
+        def _comm_seconds(self, trainer: pl.Trainer) -> float:
+            strat = trainer.strategy
+            return strat.communicator.seconds if isinstance(strat, demo_lightning.strategies.CommunicationStrategy) else 0.0
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            """Time our exchange and averaging calls (codec and collectives) where the strategy makes them."""
+            self.inside_s = self.inside_comm_s = 0.0
+            strat = trainer.strategy
+            if not isinstance(strat, demo_lightning.strategies.CommunicationStrategy):
+                return
+            for obj, names in [(x, ("step",)) for x in strat.exchanges] + [(a, ("before_step", "after_step")) for a in strat.averagers]:
+                for name in names:
+                    setattr(obj, name, self._timed(getattr(obj, name), strat.communicator))
+
+        def _timed(self, fn: Any, comm: Any) -> Any:
+            def call(*a: Any, **k: Any) -> Any:
+                start, comm0 = time.perf_counter(), comm.seconds
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.inside_s += time.perf_counter() - start
+                    self.inside_comm_s += comm.seconds - comm0
+
+            return call
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+            self._t0, self._comm0 = time.perf_counter(), self._comm_seconds(trainer)
+            self._inside0, self._inside_comm0 = self.inside_s, self.inside_comm_s
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seconds = time.perf_counter() - self._t0
+            comm = self._comm_seconds(trainer) - self._comm0
+            strat = trainer.strategy
+            row: dict[str, Any] = {"step": trainer.global_step, "seconds": seconds, "comm_s": comm,
+                                   "loss": float(outputs["loss"]) if isinstance(outputs, dict) else float("nan")}
+            if isinstance(strat, demo_lightning.strategies.CommunicationStrategy):
+                traffic, records = strat.ledger.last_step, list(strat.ledger.step_records)
+                inside, inside_comm = self.inside_s - self._inside0, self.inside_comm_s - self._inside_comm0
+                row.update(sent=traffic.sent_bytes, received=traffic.received_bytes, calls=traffic.calls,
+                           exchange_s=inside + (comm - inside_comm), modeled={f"{b:g}": modeled_seconds(records, b, latency) for b in bandwidths})
+            else:
+                n = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+                ddp = ddp_bytes_per_step(n, trainer.world_size)
+                row.update(sent=ddp, received=ddp, calls=1, exchange_s=0.0,
+                           modeled={f"{b:g}": ddp_modeled_seconds(ddp, n, trainer.world_size, b, latency) for b in bandwidths})
+            self.rows.append(row)
+
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if not trainer.sanity_checking and trainer.state.fn == "fit":
+                self.val_curve.append((int(trainer.global_step), float(trainer.callback_metrics["val/loss"])))
+
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    model = GPTLightningModule(
+        block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, optimizer=method.optimizer,
+        lr=method.lr, warmup_steps=args.warmup_steps, max_steps=args.steps,
+    )
+    data = TextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=args.max_bytes)
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.world_size, strategy=_strategy(method, args.timeout), max_steps=args.steps,
+        val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
+        callbacks=[recorder], enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+    )
+    trainer.fit(model, datamodule=data)
+    if not recorder.val_curve or recorder.val_curve[-1][0] != trainer.global_step:
+        loss = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"])
+        recorder.val_curve.append((int(trainer.global_step), loss))
+    allreduce_s = 0.0
+    if method.kind == "ddp" and dist.is_initialized():  # the all-reduce DDP overlapped with backward, timed alone
+        flat = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(5):
+            dist.all_reduce(flat)
+        allreduce_s = (time.perf_counter() - start) / 5
+    record = {
+        "rank": trainer.global_rank, "world_size": trainer.world_size, "steps": trainer.global_step,
+        "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "rows": recorder.rows, "val_curve": recorder.val_curve, "ddp_allreduce_s": allreduce_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+# ---------------------------------------------------------------------------------------------- parent
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_method(name: str, world_size: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Launch one run (Lightning starts the other ranks) and merge its rank records into one record."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / f"{name.replace('+', '_')}_w{world_size}"
+    for stale in workdir.glob(f"{out.name}.rank*.json"):
+        stale.unlink()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", name, "--world-size", str(world_size),
+           "--out", str(out), *args.shared]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")}
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    print(f"$ {name} at {world_size} workers, {args.steps} steps", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.run_timeout, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} at {world_size} workers failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{out.name}.rank*.json"))]
+    if len(ranks) != world_size:
+        raise SystemExit(f"{name} at {world_size} workers: {len(ranks)} rank records, expected {world_size}")
+    record = merge(name, ranks, args.warmup)
+    record["wall_s"] = time.perf_counter() - start
+    print(f"  val {record['final_val_loss']:.4f}  ratio {record['ratio_vs_ddp']:.1f}x  step {1000 * record['step_time_s']:.0f} ms"
+          f"  exchange {100 * record['exchange_share']:.1f} %  ({record['wall_s']:.0f} s)", flush=True)
+    return record
+
+
+def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """One record per method and world size: traffic and time from rank 0, memory the largest rank's."""
+    method = METHODS[name]
+    r0 = next(r for r in ranks if r["rank"] == 0)
+    rows = r0["rows"]
+    timed = rows[warmup:] or rows
+    step_time = statistics.median(r["seconds"] for r in timed)
+    comm = statistics.median(r["comm_s"] for r in timed)
+    compute = max(0.0, step_time - (r0["ddp_allreduce_s"] if method.kind == "ddp" else comm))
+    n, world, steps = r0["n_trainable"], r0["world_size"], len(rows)
+    ddp_bytes = 2 * (world - 1) / world * 4 * n
+    sent = sum(r["sent"] for r in rows) / steps
+    received = sum(r["received"] for r in rows) / steps
+    steady = 1 / sum(1 / k for k in method.steady_periods) if method.steady_periods else None
+    modeled_comm = {b: sum(r["modeled"][b] for r in rows) / steps for b in rows[0]["modeled"]}
+    cumulative, total = [], 0.0
+    for r in rows:
+        total += r["sent"]
+        cumulative.append(total)
+    return {
+        "method": name, "description": method.description, "world_size": world, "steps": r0["steps"], "n_trainable": n,
+        "final_val_loss": r0["val_curve"][-1][1], "val_curve": r0["val_curve"],
+        "bytes_sent_per_step": sent, "bytes_received_per_step": received, "ddp_bytes_per_step": ddp_bytes,
+        "ratio_vs_ddp": ddp_bytes / sent if sent > 0 else math.inf, "steady_ratio_vs_ddp": steady,
+        "collectives_per_step": sum(r["calls"] for r in rows) / steps,
+        "step_time_s": step_time, "compute_s": compute,
+        "exchange_share": sum(r["exchange_s"] for r in rows) / max(1e-12, sum(r["seconds"] for r in rows)),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+        "modeled_comm_s_per_step": modeled_comm,
+        "train_loss": [r["loss"] for r in rows], "cumulative_sent_bytes": cumulative,
+    }
+
+
+def add_time_to_target(records: list[dict[str, Any]]) -> None:
+    """Modeled wall time to DDP's final validation loss, per bandwidth, for every record (in place)."""
+    for world in {r["world_size"] for r in records}:
+        group = [r for r in records if r["world_size"] == world]
+        ddp = next((r for r in group if r["method"] == "ddp"), None)
+        target = ddp["final_val_loss"] if ddp else None
+        for r in group:
+            r["target_val_loss"] = target
+            reached = next((step for step, loss in r["val_curve"] if target is not None and loss <= target), None)
+            r["steps_to_target"] = reached
+            r["modeled"] = {
+                b: {"step_s": r["compute_s"] + c, "time_to_target_s": None if reached is None else reached * (r["compute_s"] + c)}
+                for b, c in r["modeled_comm_s_per_step"].items()
+            }
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _bytes(x: float) -> str:
+    return f"{x / 1e6:.2f} MB" if x >= 1e6 else f"{x / 1e3:.1f} kB" if x >= 1e3 else f"{x:.0f} B"
+
+
+def _seconds(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:,.0f} s" if x >= 100 else f"{x:.1f} s"
+
+
+def render(meta: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """The markdown table (one per world size) and the targets; pure function of the JSON."""
+    bands = meta["bandwidths"]
+    band_names = " / ".join(f"{b:g}" for b in bands)
+    lines = [
+        f"Command: `{meta['command']}` — {meta['date']}, {meta['machine']}; {meta['steps']} optimizer steps, "
+        f"{meta['n_trainable']:,}-parameter GPT (d_model {meta['d_model']}, {meta['n_layer']} layers), "
+        f"{meta['batch_size']} x {meta['block_size']} bytes per worker per step, seed {meta['seed']}, "
+        f"latency {meta['latency_ms']:g} ms per hop. Total run time {meta['wall_s'] / 60:.0f} min.",
+        "",
+    ]
+    for world in sorted({r["world_size"] for r in records}):
+        group = [r for r in records if r["world_size"] == world]
+        ddp = next((r for r in group if r["method"] == "ddp"), None)
+        lines += [
+            f"**{world} workers**" + (f" (DDP's final validation loss {ddp['final_val_loss']:.4f})" if ddp else ""),
+            "",
+            "| method | val loss | vs DDP | sent / step | received / step | ratio vs DDP (run) | (long run) | step time "
+            f"| exchange share | peak RSS | modeled step @ {band_names} Gbit/s | to DDP's loss @ {band_names} Gbit/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in group:
+            rel = f"{r['final_val_loss'] / ddp['final_val_loss']:.3f}x" if ddp else "—"
+            steady = r["steady_ratio_vs_ddp"]
+            run_ratio = "no sync in run" if r["bytes_sent_per_step"] < 1 else f"{r['ratio_vs_ddp']:,.1f}x"
+            modeled = [r["modeled"][f"{b:g}"] for b in bands]
+            steps = " / ".join(f"{1000 * m['step_s']:.0f}" for m in modeled) + " ms"
+            reached = modeled[0]["time_to_target_s"] is not None
+            times = " / ".join(_seconds(m["time_to_target_s"]) for m in modeled) if reached else "not reached"
+            lines.append(
+                f"| `{r['method']}` | {r['final_val_loss']:.4f} | {rel} | {_bytes(r['bytes_sent_per_step'])} | "
+                f"{_bytes(r['bytes_received_per_step'])} | {run_ratio} | {'—' if steady is None else f'{steady:,.1f}x'} | "
+                f"{1000 * r['step_time_s']:.0f} ms | {100 * r['exchange_share']:.1f} % | {r['peak_rss_mb']:.0f} MB | "
+                f"{steps} | {times} |"
+            )
+        lines.append("")
+    lines += targets(records, bands)
+    return "\n".join(lines) + "\n"
+
+
+def targets(records: list[dict[str, Any]], bands: list[float]) -> list[str]:
+    """Issue 6's targets, checked against the records: one row each, met or not, with the figures."""
+    out = ["| target | workers | figures | met |", "|---|---|---|---|"]
+    notes: list[str] = []
+    checks = [("demo-sign1bit", 100, 1.05), ("demo", 100, 1.05), ("desloc", 170, 1.05), ("desloc-compressed", 1000, 1.10),
+              ("desloc-compressed-int8", 1000, 1.10), ("desloc-compressed-k64", 1000, 1.10), ("demo+desloc", 1000, 1.10)]
+    slowest = f"{min(bands):g}"
+    for world in sorted({r["world_size"] for r in records}):
+        by = {r["method"]: r for r in records if r["world_size"] == world}
+        ddp = by.pop("ddp", None)
+        if ddp is None:
+            continue
+        for name, ratio, loss in checks:
+            r = by.get(name)
+            if r is None:
+                continue
+            rel = r["final_val_loss"] / ddp["final_val_loss"]
+            run = r["ratio_vs_ddp"]
+            long_run = r["steady_ratio_vs_ddp"] or run
+            ok = min(run, long_run) >= ratio and rel <= loss
+            shown = f"{run:,.0f}x" + (f" (long run {long_run:,.0f}x)" if r["steady_ratio_vs_ddp"] else "")
+            out.append(f"| `{name}`: >= {ratio}x fewer bytes, loss <= {loss:.2f}x DDP's | {world} | {shown}, loss {rel:.3f}x | "
+                       f"{'yes' if ok else 'no'} |")
+        shares = ", ".join(f"`{n}` {100 * r['exchange_share']:.1f} %" for n, r in by.items())
+        met = [n for n, r in by.items() if r["exchange_share"] <= 0.10]
+        out.append(f"| exchange <= 10 % of step time | {world} | {shares} | {', '.join(f'`{n}`' for n in met) or 'none'} |")
+        ddp_t = ddp["modeled"][slowest]["time_to_target_s"]
+        ddp_comm = ddp["modeled_comm_s_per_step"][slowest]
+        bound = (ddp["compute_s"] + ddp_comm) / max(1e-12, ddp["compute_s"])
+        speedups = {n: ddp_t / t for n, r in by.items() if (t := r["modeled"][slowest]["time_to_target_s"]) and ddp_t}
+        figures = ", ".join(f"`{n}` {x:.2f}x" for n, x in speedups.items()) or "no method reaches DDP's final loss in the run"
+        out.append(f"| >= 10x sooner to DDP's loss @ {slowest} Gbit/s | {world} | {figures}; ceiling for a method needing "
+                   f"DDP's steps: {bound:.2f}x | {', '.join(f'`{n}`' for n, x in speedups.items() if x >= 10) or 'none'} |")
+        notes.append(
+            f"At {world} workers DDP's modeled communication at {slowest} Gbit/s is {1000 * ddp_comm:.0f} ms per step "
+            f"against {1000 * ddp['compute_s']:.0f} ms of measured compute, so a method that needs as many steps as DDP "
+            f"reaches DDP's loss at most {bound:.2f}x sooner; a 10x gain needs compute per step below "
+            f"{1000 * ddp_comm / 9:.0f} ms minus 10/9 of the method's own communication."
+        )
+    return out + [""] + notes
+
+
+def plot(records: list[dict[str, Any]], bands: list[float], out: Path) -> list[Path]:
+    """Three PNGs: validation loss vs step, vs cumulative bytes sent, and modeled step time per bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world_size"] for r in records})
+    paths = []
+    for kind in ("step", "bytes"):
+        fig, axes = plt.subplots(1, len(worlds), figsize=(6.5 * len(worlds), 4.5), squeeze=False)
+        for ax, world in zip(axes[0], worlds):
+            for r in (r for r in records if r["world_size"] == world):
+                steps = [s for s, _ in r["val_curve"]]
+                losses = [v for _, v in r["val_curve"]]
+                xs = steps if kind == "step" else [r["cumulative_sent_bytes"][min(s, len(r["cumulative_sent_bytes"])) - 1] for s in steps]
+                ax.plot(xs, losses, marker="o", markersize=3, label=r["method"])
+            ax.set_title(f"{world} workers")
+            ax.set_ylabel("validation loss (nats/byte)")
+            if kind == "step":
+                ax.set_xlabel("optimizer step")
+            else:
+                ax.set_xscale("symlog", linthresh=1e3)
+                ax.set_xlabel("cumulative bytes sent per worker")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"compare_loss_vs_{kind}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6.5 * len(worlds), 4.5), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        group = [r for r in records if r["world_size"] == world]
+        width = 0.8 / len(bands)
+        for i, b in enumerate(bands):
+            vals = [1000 * r["modeled"][f"{b:g}"]["step_s"] for r in group]
+            ax.bar([j + i * width for j in range(len(group))], vals, width, label=f"{b:g} Gbit/s")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(group))], [r["method"] for r in group], rotation=40, ha="right", fontsize=8)
+        ax.set_ylabel("modeled ms per step (measured compute + link)")
+        ax.set_title(f"{world} workers")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path = out / "compare_modeled_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(ISSUE_METHODS), help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--steps", type=int, default=520, help="optimizer steps (520: one Local Adam sync at 512)")
+    p.add_argument("--val-every", type=int, default=65)
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the step-time median")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--warmup-steps", type=int, default=20, help="learning-rate warm-up")
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the stdlib sources read (5 %% validation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidths", default="1,10,100", help="Gbit/s, comma-separated")
+    p.add_argument("--latency-ms", type=float, default=0.5, help="per hop of a collective")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="one run's limit, seconds")
+    p.add_argument("--out", default=str(RESULTS), help="results folder (or, with --worker, the record prefix)")
+    p.add_argument("--workdir", default=str(ROOT / "runs" / "compare"))
+    p.add_argument("--render-only", action="store_true", help="re-render table, plots (and README) from <out>/latest.json")
+    p.add_argument("--update-readme", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--method", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    names = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    args.method_names = names
+    try:
+        args.world_size_list = [int(w) for w in args.world_sizes.split(",")]
+        bands = [float(b) for b in args.bandwidths.split(",")]
+    except ValueError as e:
+        p.error(f"--world-sizes and --bandwidths are comma-separated numbers ({e})")
+    if any(w < 2 for w in args.world_size_list):
+        p.error(f"--world-sizes must be >= 2 (a comparison of exchanges needs peers), got {args.world_sizes}")
+    if any(b <= 0 for b in bands) or args.latency_ms < 0:
+        p.error("--bandwidths must be > 0 and --latency-ms >= 0")
+    if args.steps < 1 or args.val_every < 1 or args.warmup < 0:
+        p.error("--steps and --val-every must be >= 1, --warmup >= 0")
+    keys = ("steps", "val_every", "d_model", "n_layer", "block_size", "batch_size", "warmup_steps", "max_bytes", "seed",
+            "bandwidths", "latency_ms", "timeout")
+    args.shared = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        saved = json.loads((out / "latest.json").read_text())
+        meta, records = saved["meta"], saved["records"]
+    else:
+        workdir = Path(args.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        records = [run_method(m, w, args, workdir) for w in args.world_size_list for m in args.method_names]
+        add_time_to_target(records)
+        given = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--update-readme")
+        meta = {
+            "command": f"python benchmarks/compare.py {given}".strip(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), torch gloo on loopback",
+            "steps": args.steps, "n_trainable": records[0]["n_trainable"], "d_model": args.d_model, "n_layer": args.n_layer,
+            "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed,
+            "bandwidths": [float(b) for b in args.bandwidths.split(",")], "latency_ms": args.latency_ms,
+            "wall_s": time.perf_counter() - start,
+        }
+        (out / "latest.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    table = render(meta, records)
+    (out / "latest.md").write_text(table)
+    plot(records, meta["bandwidths"], out)
+    print(table)
+    if args.update_readme:
+        replace_section("compare", table)
+
+
+if __name__ == "__main__":
+    main()
