@@ -248,6 +248,9 @@ def worker(args: argparse.Namespace) -> None:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    if dist.is_initialized():  # leave together and close the group: gloo's threads abort a process exiting with it open
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- parent
