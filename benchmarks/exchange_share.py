@@ -1,6 +1,6 @@
 """Why the exchange's share of step time is what it is: the same DeMo run at growing batch sizes.
 
-    .venv/bin/python benchmarks/exchange_share.py                     # batch 16, 32, 64 per worker; ~6 min on 2 cores
+    .venv/bin/python benchmarks/exchange_share.py                     # batch 16, 32, 64 per worker; ~3 min on 2 cores
     .venv/bin/python benchmarks/exchange_share.py --batch-sizes 16,128 --method demo
 
 The exchange's cost is per parameter and per optimizer step (a DCT of every tile, top-k, packing,
