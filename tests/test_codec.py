@@ -20,6 +20,7 @@ from demo_lightning.codec import (
     lowpass_positions,
     pack_bits,
     pack_segment,
+    pack_segments,
     plan_tiles,
     quantize_values,
     segment_nbytes,
@@ -27,6 +28,7 @@ from demo_lightning.codec import (
     to_tiles,
     unpack_bits,
     unpack_segment,
+    unpack_segments,
 )
 
 SHAPES = [(), (1,), (7,), (64,), (127,), (3, 5), (64, 64), (127, 131), (128, 192), (5, 3, 3, 3), (2, 3, 4, 5, 6)]
@@ -193,3 +195,34 @@ def test_bytes_per_coefficient() -> None:
 def test_bad_value_format_is_named() -> None:
     with pytest.raises(ValueError, match="value_format"):
         quantize_values(torch.zeros(1, 1), "fp8")
+
+
+@pytest.mark.parametrize("value_format", VALUE_FORMATS)
+@pytest.mark.parametrize("with_positions", [True, False])
+@pytest.mark.parametrize(("tiles", "k", "tile_numel"), [((3, 1, 4), 5, 4096), ((2, 2), 64, 4096), ((1, 7, 2, 3), 3, 65), ((5,), 7, 64)])
+def test_pack_segments_equals_concatenated_single_segments(
+    value_format: str, with_positions: bool, tiles: tuple[int, ...], k: int, tile_numel: int
+) -> None:
+    # oracle: one pack_segment per segment, concatenated; odd k and odd tile counts leave bit
+    # fields that end mid-byte, which must stay padded per segment
+    gen = torch.Generator().manual_seed(sum(tiles) * k)
+    n = sum(tiles)
+    values = torch.randn(n, k, generator=gen) * 10
+    positions = torch.randint(0, tile_numel, (n, k), generator=gen)
+    expected, expected_decoded = [], []
+    for rows in torch.split(torch.arange(n), list(tiles)):
+        buf, decoded = pack_segment(positions[rows] if with_positions else None, values[rows], tile_numel, value_format)
+        expected.append(buf)
+        expected_decoded.append(decoded)
+    buf, decoded = pack_segments(positions if with_positions else None, values, tiles, tile_numel, value_format)
+    assert torch.equal(buf, torch.cat(expected))
+    assert torch.equal(decoded, torch.cat(expected_decoded))
+    assert buf.numel() == sum(segment_nbytes(t, k, tile_numel, value_format, with_positions) for t in tiles)
+    got_positions, got_values = unpack_segments(buf, tiles, k, tile_numel, value_format, with_positions)
+    assert torch.equal(got_values, decoded)
+    if with_positions:
+        assert torch.equal(got_positions, positions)
+    else:
+        assert got_positions is None
+    with pytest.raises(ValueError, match="expected"):
+        unpack_segments(buf[:-1], tiles, k, tile_numel, value_format, with_positions)

@@ -19,7 +19,10 @@ single worker's bitwise (``(a + a) / 2 == a``).
 
 Performance: tiles of the same shape from all tensors are transformed together (one GEMM plus one
 batched matmul per family); one inverse transform serves ``sent`` and ``mean``; each bucket of up to
-``bucket_cap_mb`` megabytes is one collective.
+``bucket_cap_mb`` megabytes is one collective; consecutive tensors of one family in a bucket are
+packed, unpacked and scattered as one run (:func:`~demo_lightning.codec.pack_segments`: the wire
+bytes stay those of one segment per tensor), so the number of small tensor operations per step
+does not grow with the number of tensors.
 
 Failure: the trainable tensor layout (count, sizes, ranks) is compared across workers whenever it
 changes; a mismatch raises ``RuntimeError`` on every rank before any data moves. A collective that
@@ -46,12 +49,12 @@ from demo_lightning.codec import (
     from_tiles,
     idct2,
     lowpass_order,
-    pack_segment,
+    pack_segments,
     plan_tiles,
     segment_nbytes,
     select,
     to_tiles,
-    unpack_segment,
+    unpack_segments,
     validate_strength,
 )
 from demo_lightning.comm import Communicator
@@ -210,11 +213,32 @@ class _Item:
 
 
 @dataclass
+class _Run:
+    """Consecutive inputs of one bucket and one family: their tiles are consecutive rows of the
+    family, and their segments are packed, sent and decoded together."""
+
+    family: Any
+    items: list[_Item]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.items[0].tile_offset, self.items[-1].tile_offset + self.items[-1].n_tiles)
+
+    @property
+    def tiles(self) -> tuple[int, ...]:
+        return tuple(m.n_tiles for m in self.items)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.items)
+
+
+@dataclass
 class _Plan:
     items: list[_Item]
     dense_groups: dict[tuple[torch.dtype, torch.device], list[_Item]]
     families: "OrderedDict[Any, list[_Item]]"
-    buckets: list[list[_Item]]
+    buckets: list[list[_Run]]
 
 
 class CompressedMean:
@@ -266,7 +290,7 @@ class CompressedMean:
         dense_groups: dict[tuple[torch.dtype, torch.device], list[_Item]] = {}
         families: OrderedDict[Any, list[_Item]] = OrderedDict()
         cap = int(cfg.bucket_cap_mb * 1024 * 1024)
-        buckets: list[list[_Item]] = []
+        buckets: list[list[_Run]] = []
         size = 0
         for item in items:
             if item.dense:
@@ -274,11 +298,15 @@ class CompressedMean:
                 continue
             members = families.setdefault(item.family, [])
             item.tile_offset = sum(m.n_tiles for m in members)
-            members.append(item)
             if not buckets or size + item.nbytes > cap:
                 buckets.append([])
                 size = 0
-            buckets[-1].append(item)
+            bucket = buckets[-1]
+            if bucket and bucket[-1].family == item.family and bucket[-1].items[-1] is members[-1]:
+                bucket[-1].items.append(item)  # the family's next rows: same run
+            else:
+                bucket.append(_Run(item.family, [item]))
+            members.append(item)
             size += item.nbytes
         fingerprint = [len(items)]
         for x, item in zip(tensors, items):
@@ -327,14 +355,16 @@ class CompressedMean:
             flat = torch.cat([inputs[i.position].reshape(-1).to(i.dtype) for i in group])
             self.comm.all_reduce_sum_(flat, f"{tag}/dense")
             flat.div_(world)
-            for item, part in zip(group, torch.split(flat, [inputs[i.position].numel() for i in group])):
+            sizes = [inputs[i.position].numel() for i in group]
+            own = torch.cat([inputs[i.position].reshape(-1).to(torch.float64) for i in group])
+            totals = torch.segment_reduce(own.pow(2), "sum", lengths=torch.tensor(sizes, device=own.device)).tolist()
+            for item, part, total in zip(group, torch.split(flat, sizes), totals):
                 mean_out[item.position] = part.view(item.shape)
                 sent_out[item.position] = inputs[item.position].to(item.dtype)
-                total = float(sent_out[item.position].pow(2).sum())
                 energy[item.position] = TensorEnergy(total, total, 0, 0, 0)
 
         # per family: rows [:n] hold what this worker sent, rows [n:] the mean over workers
-        selected: dict[int, tuple[Tensor, Tensor]] = {}
+        selected: dict[Any, tuple[Tensor, Tensor]] = {}
         decode: dict[Any, Tensor] = {}
         for key, members in plan.families.items():
             ref = members[0]
@@ -344,18 +374,18 @@ class CompressedMean:
                 to_tiles(inputs[m.position].to(ref.dtype), m.layout, out=tiles[m.rows])
             spectrum = dct2(tiles)
             positions, values = select(spectrum, ref.k, cfg.selection)
-            tile_energy = spectrum.pow(2).sum((1, 2)).tolist()
-            kept_energy = values.pow(2).sum(1).tolist()
+            selected[key] = (positions, values)
+            # per input: energy of all its tiles and of what was kept (one reduction for the family)
+            per_tile = torch.stack([spectrum.pow(2).sum((1, 2)), values.pow(2).sum(1)], 1).double()
+            lengths = torch.tensor([m.n_tiles for m in members], device=ref.device)
+            member_energy = torch.segment_reduce(per_tile, "sum", lengths=lengths, axis=0).tolist()
             cumulative = self._energy_cumsum(spectrum) if energy_curve else None
-            for m in members:
-                selected[m.position] = (positions[m.rows], values[m.rows])
-                total = float(sum(tile_energy[m.rows]))
+            for index, m in enumerate(members):
+                total, kept = member_energy[index]
                 curve = None
                 if cumulative is not None:
                     curve = cumulative[m.rows].sum(0).double() / total if total > 0 else torch.ones(cumulative.shape[1], dtype=torch.float64)
-                energy[m.position] = TensorEnergy(
-                    total, float(sum(kept_energy[m.rows])), m.k, m.layout.tile_numel, m.n_tiles, curve,
-                )
+                energy[m.position] = TensorEnergy(total, kept, m.k, m.layout.tile_numel, m.n_tiles, curve)
             decode[key] = torch.zeros((2 * n_tiles, ref.layout.tile_numel), dtype=ref.dtype, device=ref.device)
 
         coefficients = 0
@@ -363,40 +393,40 @@ class CompressedMean:
             if cfg.all_reduces:
                 wire = _WIRE_DTYPES[cfg.value_format]
                 parts = []
-                for m in bucket:
-                    positions, values = selected[m.position]
+                for run in bucket:
+                    positions, values = (x[run.rows] for x in selected[run.family])
                     narrow = values.to(wire)
-                    self._sent_rows(decode, m).scatter_(1, positions, narrow.to(m.dtype))
+                    self._sent_rows(decode, run).scatter_(1, positions, narrow.to(values.dtype))
                     parts.append(narrow.reshape(-1))
                 flat = torch.cat(parts)
                 self.comm.all_reduce_sum_(flat, f"{tag}/lowpass")
                 offset = 0
-                for m in bucket:
-                    positions, values = selected[m.position]
-                    part = flat[offset : offset + values.numel()].view_as(values).to(m.dtype)
-                    self._mean_rows(decode, m).scatter_(1, positions, part)
+                for run in bucket:
+                    positions, values = (x[run.rows] for x in selected[run.family])
+                    part = flat[offset : offset + values.numel()].view_as(values).to(values.dtype)
+                    self._mean_rows(decode, run).scatter_(1, positions, part)
                     offset += values.numel()
                     coefficients += values.numel()
                 continue
             segments = []
-            for m in bucket:
-                positions, values = selected[m.position]
-                buf, decoded = pack_segment(positions if cfg.sends_positions else None, values, m.layout.tile_numel, cfg.value_format)
-                self._sent_rows(decode, m).scatter_(1, positions, decoded.to(m.dtype))
+            for run in bucket:
+                positions, values = (x[run.rows] for x in selected[run.family])
+                tile_numel = run.items[0].layout.tile_numel
+                buf, decoded = pack_segments(positions if cfg.sends_positions else None, values, run.tiles, tile_numel, cfg.value_format)
+                self._sent_rows(decode, run).scatter_(1, positions, decoded.to(values.dtype))
                 segments.append(buf)
                 coefficients += values.numel()
             gathered = self.comm.all_gather_bytes(torch.cat(segments), f"{tag}/{'topk' if cfg.sends_positions else 'values'}")
             for rank_buf in gathered:  # rank order 0..W-1 on every replica
                 offset = 0
-                for m in bucket:
-                    positions, values = unpack_segment(
-                        rank_buf[offset : offset + m.nbytes], m.n_tiles, m.k, m.layout.tile_numel,
+                for run in bucket:
+                    own_positions, own_values = (x[run.rows] for x in selected[run.family])
+                    positions, values = unpack_segments(
+                        rank_buf[offset : offset + run.nbytes], run.tiles, own_values.shape[1], run.items[0].layout.tile_numel,
                         cfg.value_format, cfg.sends_positions,
                     )
-                    if positions is None:
-                        positions = selected[m.position][0]
-                    self._mean_rows(decode, m).scatter_add_(1, positions, values.to(m.dtype))
-                    offset += m.nbytes
+                    self._mean_rows(decode, run).scatter_add_(1, positions if positions is not None else own_positions, values.to(own_values.dtype))
+                    offset += run.nbytes
 
         for key, members in plan.families.items():
             buf = decode[key]
@@ -420,13 +450,13 @@ class CompressedMean:
         return ordered.cumsum(1)
 
     @staticmethod
-    def _sent_rows(decode: dict[Any, Tensor], item: _Item) -> Tensor:
-        return decode[item.family][item.rows]
+    def _sent_rows(decode: dict[Any, Tensor], run: _Run) -> Tensor:
+        return decode[run.family][run.rows]
 
     @staticmethod
-    def _mean_rows(decode: dict[Any, Tensor], item: _Item) -> Tensor:
-        buf = decode[item.family]
-        return buf[buf.shape[0] // 2 :][item.rows]
+    def _mean_rows(decode: dict[Any, Tensor], run: _Run) -> Tensor:
+        buf = decode[run.family]
+        return buf[buf.shape[0] // 2 :][run.rows]
 
 
 def _resolve_overrides(tensors: list[Tensor], overrides: Optional[list[Optional[TensorCodec]]]) -> list[TensorCodec]:

@@ -11,10 +11,12 @@ from demo_lightning.codec.packing import (
     index_bits,
     pack_bits,
     pack_segment,
+    pack_segments,
     quantize_values,
     segment_nbytes,
     unpack_bits,
     unpack_segment,
+    unpack_segments,
     values_nbytes,
 )
 from demo_lightning.codec.selection import (
@@ -43,6 +45,7 @@ __all__ = [
     "lowpass_positions",
     "pack_bits",
     "pack_segment",
+    "pack_segments",
     "plan_tiles",
     "quantize_values",
     "segment_nbytes",
@@ -50,6 +53,7 @@ __all__ = [
     "to_tiles",
     "unpack_bits",
     "unpack_segment",
+    "unpack_segments",
     "validate_strength",
     "values_nbytes",
 ]

@@ -24,11 +24,18 @@ format     encoding                                                     lossless
 exactly what it sent (error feedback keeps the quantisation error). Unpacking returns those
 decoded values bit for bit; for ``fp32`` (and ``bf16``/``fp16`` data in their own format) they
 equal the input exactly.
+
+:func:`pack_segments` / :func:`unpack_segments` pack many segments (one per tensor) that share
+``k``, tile size and format in a fixed number of tensor operations, byte for byte equal to
+concatenating :func:`pack_segment` per segment: each segment's bit fields still start on a byte
+boundary, so every tensor's bytes stay what :func:`segment_nbytes` says.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -45,6 +52,8 @@ __all__ = [
     "segment_nbytes",
     "pack_segment",
     "unpack_segment",
+    "pack_segments",
+    "unpack_segments",
 ]
 
 ValueFormat = Literal["fp32", "bf16", "fp16", "int8", "sign"]
@@ -91,8 +100,11 @@ def unpack_bits(packed: Tensor, bits: int, count: int) -> Tensor:
     return (stream.view(count, bits) * weights).sum(dim=1)
 
 
-def _encode_values(values: Tensor, value_format: ValueFormat) -> tuple[list[Tensor], Tensor]:
-    """Encode ``values`` ``(T, k)``: the wire bytes and the fp32 values a receiver will decode."""
+def _encode_values(values: Tensor, value_format: ValueFormat, segments: tuple[int, ...] | None = None) -> tuple[list[Tensor], Tensor]:
+    """Encode ``values`` ``(T, k)``: the wire bytes per field and the fp32 values a receiver will decode.
+
+    ``segments``: values per segment (default one segment); sign bits are byte-aligned per segment.
+    """
     _check_format(value_format)
     values = values.to(torch.float32)
     if value_format in _FLOAT_FORMATS:
@@ -105,7 +117,8 @@ def _encode_values(values: Tensor, value_format: ValueFormat) -> tuple[list[Tens
         return [_as_bytes(scale), _as_bytes(codes)], _decode_int8(scale, codes)
     scale = values.abs().mean(dim=1, keepdim=True)
     positive = values >= 0
-    return [_as_bytes(scale), pack_bits(positive, 1)], _decode_sign(scale, positive)
+    bits = _pack_bit_fields(positive, 1, segments if segments is not None else (positive.numel(),))
+    return [_as_bytes(scale), bits], _decode_sign(scale, positive)
 
 
 def _decode_int8(scale: Tensor, codes: Tensor) -> Tensor:
@@ -156,37 +169,131 @@ def pack_segment(
         ``(buffer, decoded)``: the bytes, and the fp32 values that :func:`unpack_segment` will
         return for them (bit for bit), for the sender's error feedback.
     """
-    parts, decoded = _encode_values(values, value_format)
-    if positions is not None:
-        parts.insert(0, pack_bits(positions, index_bits(tile_numel)))
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]), decoded
+    return pack_segments(positions, values, (values.shape[0],), tile_numel, value_format)
 
 
 def unpack_segment(
     buf: Tensor, n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool
 ) -> tuple[Tensor | None, Tensor]:
     """Inverse of :func:`pack_segment`: ``(positions or None, values as fp32)``, both ``(T, k)``."""
-    _check_format(value_format)
-    expected = segment_nbytes(n_tiles, k, tile_numel, value_format, with_positions)
-    if buf.numel() != expected:
-        raise ValueError(f"segment holds {buf.numel()} bytes, expected {expected}")
-    count = n_tiles * k
-    offset = 0
-    positions = None
+    return unpack_segments(buf, (n_tiles,), k, tile_numel, value_format, with_positions)
+
+@functools.lru_cache(maxsize=256)
+def _bit_field_index(counts: tuple[int, ...], bits: int, device: torch.device) -> tuple[int, Tensor | None]:
+    """``(padded_bits, destination)`` for bit fields of ``counts[i] * bits`` bits, each padded to a byte.
+
+    ``destination[j]`` is where bit ``j`` of the unpadded concatenation lands; ``None`` when no
+    segment needs padding (the concatenation is already aligned).
+    """
+    lengths = [c * bits for c in counts]
+    padded = [8 * math.ceil(n / 8) for n in lengths]
+    if lengths == padded:
+        return sum(lengths), None
+    pads = torch.tensor([p - n for p, n in zip(padded, lengths)], dtype=torch.int64)
+    before = pads.cumsum(0) - pads  # padding bits ahead of each segment
+    offsets = torch.repeat_interleave(before, torch.tensor(lengths, dtype=torch.int64))
+    return sum(padded), (torch.arange(sum(lengths), dtype=torch.int64) + offsets).to(device)
+
+
+def _pack_bit_fields(values: Tensor, bits: int, counts: tuple[int, ...]) -> Tensor:
+    """``cat(pack_bits(v_i, bits))`` over consecutive runs ``v_i`` of ``counts[i]`` values."""
+    total, destination = _bit_field_index(counts, bits, values.device)
+    if destination is None:
+        return pack_bits(values, bits)
+    flat = values.reshape(-1).to(torch.int64)
+    stream = ((flat.unsqueeze(1) >> torch.arange(bits, device=flat.device, dtype=torch.int64)) & 1).reshape(-1)
+    padded = stream.new_zeros(total)
+    padded[destination] = stream
+    return pack_bits(padded, 1)
+
+
+def _unpack_bit_fields(packed: Tensor, bits: int, counts: tuple[int, ...]) -> Tensor:
+    """Inverse of :func:`_pack_bit_fields`: all values, as int64."""
+    total, destination = _bit_field_index(counts, bits, packed.device)
+    if destination is None:
+        return unpack_bits(packed, bits, sum(counts))
+    stream = unpack_bits(packed, 1, total)[destination]
+    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int64)
+    return (stream.view(-1, bits) * weights).sum(dim=1)
+
+
+def _field_sizes(tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool) -> list[list[int]]:
+    """Per field (positions, scales, values) in wire order, the bytes each segment gives it."""
+    fields = []
     if with_positions:
-        bits = index_bits(tile_numel)
-        nbytes = math.ceil(count * bits / 8)
-        positions = unpack_bits(buf[:nbytes], bits, count).view(n_tiles, k)
-        offset = nbytes
-    body = buf[offset:]
+        fields.append([math.ceil(t * k * index_bits(tile_numel) / 8) for t in tiles])
     if value_format in _FLOAT_FORMATS:
-        values = _from_bytes(body, _FLOAT_FORMATS[value_format]).to(torch.float32).view(n_tiles, k)
-    elif value_format == "int8":
-        scale = _from_bytes(body[: n_tiles * _SCALE_BYTES], torch.float32).view(n_tiles, 1)
-        codes = _from_bytes(body[n_tiles * _SCALE_BYTES :], torch.int8).view(n_tiles, k)
-        values = _decode_int8(scale, codes)
+        fields.append([t * k * _FLOAT_FORMATS[value_format].itemsize for t in tiles])
     else:
-        scale = _from_bytes(body[: n_tiles * _SCALE_BYTES], torch.float32).view(n_tiles, 1)
-        signs = unpack_bits(body[n_tiles * _SCALE_BYTES :], 1, count).view(n_tiles, k)
-        values = _decode_sign(scale, signs.bool())
-    return positions, values
+        fields.append([t * _SCALE_BYTES for t in tiles])
+        fields.append([t * k if value_format == "int8" else math.ceil(t * k / 8) for t in tiles])
+    return fields
+
+
+@functools.lru_cache(maxsize=256)
+def _interleave_index(
+    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool, device: torch.device
+) -> Tensor | None:
+    """Index that turns field-major bytes (every segment's positions, then every scale, ...) into
+    segment-major wire order (segment 0's fields, then segment 1's, ...); ``None`` for one segment."""
+    if len(tiles) == 1:
+        return None
+    fields = _field_sizes(tiles, k, tile_numel, value_format, with_positions)
+    starts, base = [], 0
+    for sizes in fields:
+        starts.append([base + sum(sizes[:i]) for i in range(len(tiles))])
+        base += sum(sizes)
+    pieces = [torch.arange(starts[f][i], starts[f][i] + fields[f][i], dtype=torch.int64) for i in range(len(tiles)) for f in range(len(fields))]
+    return torch.cat(pieces).to(device)
+
+
+def pack_segments(
+    positions: Tensor | None, values: Tensor, tiles: Sequence[int], tile_numel: int, value_format: ValueFormat
+) -> tuple[Tensor, Tensor]:
+    """Pack consecutive segments of ``tiles[i]`` rows each, as :func:`pack_segment` would one by one.
+
+    ``positions`` / ``values`` are ``(sum(tiles), k)``. The buffer equals
+    ``cat([pack_segment(rows of segment i) for i])`` byte for byte, in a number of tensor
+    operations that does not grow with the number of segments. Returns ``(buffer, decoded)``.
+    """
+    counts = tuple(int(t) for t in tiles)
+    if sum(counts) != values.shape[0]:
+        raise ValueError(f"segments cover {sum(counts)} tiles, values have {values.shape[0]} rows")
+    k = values.shape[1]
+    per_segment = tuple(t * k for t in counts)
+    parts, decoded = _encode_values(values, value_format, per_segment)
+    if positions is not None:
+        parts.insert(0, _pack_bit_fields(positions, index_bits(tile_numel), per_segment))
+    buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+    order = _interleave_index(counts, k, tile_numel, value_format, positions is not None, buf.device)
+    return (buf if order is None else buf[order]), decoded
+
+
+def unpack_segments(
+    buf: Tensor, tiles: Sequence[int], k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool
+) -> tuple[Tensor | None, Tensor]:
+    """Inverse of :func:`pack_segments`: ``(positions or None, values as fp32)``, both ``(sum(tiles), k)``."""
+    _check_format(value_format)
+    counts = tuple(int(t) for t in tiles)
+    n_tiles = sum(counts)
+    expected = sum(segment_nbytes(t, k, tile_numel, value_format, with_positions) for t in counts)
+    if buf.numel() != expected:
+        raise ValueError(f"segment{'s' if len(counts) > 1 else ''} of {counts} tiles x {k} hold {buf.numel()} bytes, expected {expected}")
+    order = _interleave_index(counts, k, tile_numel, value_format, with_positions, buf.device)
+    if order is not None:
+        fields = torch.empty_like(buf)
+        fields[order] = buf
+        buf = fields
+    sizes = [sum(f) for f in _field_sizes(counts, k, tile_numel, value_format, with_positions)]
+    chunks = list(torch.split(buf, sizes))
+    positions = None
+    per_segment = tuple(t * k for t in counts)
+    if with_positions:
+        positions = _unpack_bit_fields(chunks.pop(0), index_bits(tile_numel), per_segment).view(n_tiles, k)
+    if value_format in _FLOAT_FORMATS:
+        return positions, _from_bytes(chunks[0], _FLOAT_FORMATS[value_format]).to(torch.float32).view(n_tiles, k)
+    scale = _from_bytes(chunks[0], torch.float32).view(n_tiles, 1)
+    if value_format == "int8":
+        return positions, _decode_int8(scale, _from_bytes(chunks[1], torch.int8).view(n_tiles, k))
+    signs = _unpack_bit_fields(chunks[1], 1, per_segment).view(n_tiles, k)
+    return positions, _decode_sign(scale, signs.bool())
