@@ -136,6 +136,7 @@ ROWS = [
     Row("desloc-topk", lambda _: DesLocStrategy(compress_params=True, topk=-1), ValueError, r"\btopk\b", r"positive integer"),
     Row("desloc-keep_ratio", lambda _: DesLocStrategy(compress_params=True, keep_ratio=0.0), ValueError, r"keep_ratio", r"\(0, 1\]"),
     Row("desloc-value_format", lambda _: DesLocStrategy(compress_params=True, value_format="fp4"), ValueError, r"value_format", r"one of"),
+    Row("desloc-selection", lambda _: DesLocStrategy(compress_params=True, selection="random"), ValueError, r"selection", r"one of"),
     Row("desloc-bucket_cap_mb", lambda _: DesLocStrategy(bucket_cap_mb=-1), ValueError, r"bucket_cap_mb", r"must be > 0"),
     Row("desloc-process_group_backend", lambda _: DesLocStrategy(process_group_backend=1), ValueError, r"process_group_backend", r"one of \[.*'gloo'.*or None"),
     Row("desloc-timeout", lambda _: DesLocStrategy(timeout=-5), ValueError, r"timeout", r"must be > 0 seconds"),

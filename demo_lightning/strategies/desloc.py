@@ -44,6 +44,9 @@ class DesLocStrategy(CommunicationStrategy):
         chunk: codec tile side (with ``compress_params``).
         topk: codec coefficients per tile (with ``compress_params``; default 64).
         keep_ratio: codec fraction per tile (with ``compress_params``; exclusive with ``topk``).
+        selection: ``"topk"`` (largest changes, positions sent) or ``"lowpass"`` (the lowest
+            frequencies, no positions); with ``keep_ratio=1.0`` and ``value_format="sign"``,
+            ``"lowpass"`` sends every coefficient at about one bit each (with ``compress_params``).
         value_format: codec value format (with ``compress_params``).
         bucket_cap_mb: largest payload per collective in megabytes.
         process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when ``None``.
@@ -72,6 +75,7 @@ class DesLocStrategy(CommunicationStrategy):
         chunk: int = 64,
         topk: Optional[int] = None,
         keep_ratio: Optional[float] = None,
+        selection: Literal["topk", "lowpass"] = "topk",
         value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign",
         bucket_cap_mb: float = 25.0,
         process_group_backend: Optional[str] = None,
@@ -89,7 +93,10 @@ class DesLocStrategy(CommunicationStrategy):
             state_sync_every=dict(state_sync_every) if isinstance(state_sync_every, Mapping) else state_sync_every,
             sync_buffers=sync_buffers,
             compress_params=compress_params,
-            codec=CodecConfig(chunk=chunk, topk=topk, keep_ratio=keep_ratio, value_format=value_format, bucket_cap_mb=bucket_cap_mb),
+            codec=CodecConfig(
+                chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, value_format=value_format,
+                bucket_cap_mb=bucket_cap_mb,
+            ),
             bucket_cap_mb=bucket_cap_mb,
         )
         if param_sync_every is None:
