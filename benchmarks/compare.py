@@ -1,6 +1,6 @@
 """Every method side by side, in one invocation: bytes, loss, step time, memory and modeled time over real links.
 
-    .venv/bin/python benchmarks/compare.py                    # 9 methods x 2 and 4 workers, 520 steps (~75 min on 2 cores)
+    .venv/bin/python benchmarks/compare.py                    # 10 methods x 2 and 4 workers, 520 steps (~80 min on 2 cores)
     .venv/bin/python benchmarks/compare.py --world-sizes 2 --methods ddp,demo-sign1bit --steps 100
     .venv/bin/python benchmarks/compare.py --render-only --update-readme   # re-render table, plots and README from the JSON
 
@@ -10,21 +10,24 @@ scaled so 4 processes share 2 CPU cores: ``--d-model 128 --n-layer 2`` (443,648 
 seed, for the same number of optimizer steps, at each world size in turn (runs are sequential, so
 they do not compete for the cores):
 
-==================  ==========================================================================
-``ddp``             Lightning's ``DDPStrategy`` (fp32 gradient all-reduce every step), AdamW
-``demo``            DeMo, top-k 64 of every 64x64 DCT tile, fp32 values on the wire, sign update, SGD
-``demo-lowpass``    DeMo, the 64 lowest frequencies of every tile, bf16 values, all-reduced (no positions)
-``demo-int8``       DeMo, top-k 64, int8 values (one fp32 scale per tile)
-``demo-sign1bit``   DeMo, top-k 64, 1-bit signs (one fp32 scale per tile): ``Trainer(strategy="demo")``
-``desloc``          DES-LOC, AdamW: parameters every 256 steps, ``exp_avg`` every 768, ``exp_avg_sq`` every 1536
-``local-adam``      Local Adam: parameters and both moments every 512 steps (DES-LOC's long-run bytes)
-``demo+desloc``     ``demo-sign1bit`` plus DES-LOC averaging: parameters every 256 steps, residual every 512
-``desloc-compressed`` DES-LOC with parameter syncs through the DeMo codec every 16 steps (top-k 64,
-                    1-bit signs), moments every 768 / 1536 steps, AdamW
-==================  ==========================================================================
+* ``ddp``: Lightning's ``DDPStrategy`` (fp32 gradient all-reduce every step), AdamW
+* ``demo``: DeMo, top-k 64 of every 64x64 DCT tile, fp32 values on the wire, sign update, SGD
+* ``demo-lowpass``: DeMo, the 64 lowest frequencies of every tile, bf16 values, all-reduced (no positions)
+* ``demo-int8``: DeMo, top-k 64, int8 values (one fp32 scale per tile)
+* ``demo-sign1bit``: DeMo, top-k 64, 1-bit signs (one fp32 scale per tile): ``Trainer(strategy="demo")``
+* ``desloc``: DES-LOC, AdamW: parameters every 256 steps, ``exp_avg`` every 768, ``exp_avg_sq`` every 1536
+* ``local-adam``: Local Adam: parameters and both moments every 512 steps (DES-LOC's long-run bytes)
+* ``demo+desloc``: ``demo-sign1bit`` plus DES-LOC averaging: parameters every 256 steps, residual every 512
+* ``desloc-compressed``: DES-LOC with parameter syncs through the DeMo codec every 16 steps (top-k 64,
+  1-bit signs), moments every 768 / 1536 steps, AdamW
+* ``desloc-compressed-local-top128``: the same syncs keeping 128 per tile; Adam's moments stay local
+  (never averaged, as DiLoCo's inner optimizer), so the run's bytes are the long-run bytes
 
 Ablations, run only when named in ``--methods``: ``desloc-compressed-int8`` (int8 values in the
-compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps keeping 256 per tile).
+compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps keeping 256 per tile),
+``desloc-k16`` (dense syncs every 16 steps, moments every 48 / 96: what the period alone costs),
+``desloc-compressed-local`` and ``-local-k8`` (moments never averaged; every 8 steps keeping 32),
+``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions).
 
 What is measured, per method and world size (every rank writes its own record; the parent merges):
 
@@ -88,7 +91,6 @@ class Method:
     optimizer: str
     lr: float
     options: dict[str, Any] = field(default_factory=dict)
-    dense_periods: tuple[int, ...] = ()  # periods of dense fp32 syncs of all parameters or of one state (long-run ratio)
 
 
 ADAMW_LR, DEMO_LR = 1e-3, 1e-3
@@ -103,35 +105,38 @@ METHODS: dict[str, Method] = {
     "demo-sign1bit": Method("DeMo top-k 64/4096, 1-bit signs (the default), SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign"}),
     "desloc": Method(
         "DES-LOC K_x 256, K_u 768, K_v 1536, AdamW", "desloc", "adamw", ADAMW_LR,
-        {"param_sync_every": 256, "state_sync_every": {"exp_avg": 768, "exp_avg_sq": 1536}}, (256, 768, 1536),
+        {"param_sync_every": 256, "state_sync_every": {"exp_avg": 768, "exp_avg_sq": 1536}},
     ),
     "local-adam": Method(
         "Local Adam K 512 (params and both moments), AdamW", "desloc", "adamw", ADAMW_LR,
-        {"param_sync_every": 512, "state_sync_every": {"exp_avg": 512, "exp_avg_sq": 512}}, (512, 512, 512),
+        {"param_sync_every": 512, "state_sync_every": {"exp_avg": 512, "exp_avg_sq": 512}},
     ),
     "demo+desloc": Method(
         "DeMo 1-bit + DES-LOC params every 256, residual every 512, SGD", "demo", "sgd", DEMO_LR,
-        {"value_format": "sign", "param_sync_every": 256, "state_sync_every": {"demo_momentum": 512}}, (256, 512),
+        {"value_format": "sign", "param_sync_every": 256, "state_sync_every": {"demo_momentum": 512}},
     ),
     "desloc-compressed": Method(
         "DES-LOC, params through the codec every 16 (top-k 64, 1-bit), K_u 768, K_v 1536, AdamW", "desloc", "adamw",
         ADAMW_LR, {"param_sync_every": 16, "compress_params": True, "state_sync_every": {"exp_avg": 768, "exp_avg_sq": 1536}},
-        (768, 1536),
+    ),
+    "desloc-compressed-local-top128": Method(
+        "DES-LOC, params through the codec every 16 (top-k 128, 1-bit), Adam moments never averaged, AdamW", "desloc",
+        "adamw", ADAMW_LR, {"param_sync_every": 16, "compress_params": True, "topk": 128, "state_sync_every": {}},
     ),
 }
-ISSUE_METHODS = tuple(METHODS)  # the default run: the nine methods the README's table compares
+ISSUE_METHODS = tuple(METHODS)  # the default run: the ten methods the README's table compares
 # ablations, run on request (``--methods``): what the default table's misses point at
 METHODS["desloc-compressed-int8"] = Method(
     "as desloc-compressed, int8 values (one scale per tile) in the parameter syncs", "desloc", "adamw", ADAMW_LR,
-    {**METHODS["desloc-compressed"].options, "value_format": "int8"}, (768, 1536),
+    {**METHODS["desloc-compressed"].options, "value_format": "int8"},
 )
 METHODS["desloc-compressed-k64"] = Method(
     "as desloc-compressed, parameter syncs every 64 steps keeping 256 per tile (about the same codec bytes)", "desloc", "adamw",
-    ADAMW_LR, {**METHODS["desloc-compressed"].options, "param_sync_every": 64, "topk": 256}, (768, 1536),
+    ADAMW_LR, {**METHODS["desloc-compressed"].options, "param_sync_every": 64, "topk": 256},
 )
 METHODS["desloc-k16"] = Method(
     "DES-LOC K_x 16, K_u 48, K_v 96 (the paper's ratios), dense: what syncing every 16 steps costs without the codec",
-    "desloc", "adamw", ADAMW_LR, {"param_sync_every": 16, "state_sync_every": {"exp_avg": 48, "exp_avg_sq": 96}}, (16, 48, 96),
+    "desloc", "adamw", ADAMW_LR, {"param_sync_every": 16, "state_sync_every": {"exp_avg": 48, "exp_avg_sq": 96}},
 )
 _LOCAL_MOMENTS = {**METHODS["desloc-compressed"].options, "state_sync_every": {}}  # Adam moments never averaged (as DiLoCo)
 METHODS["desloc-compressed-local"] = Method(
@@ -148,10 +153,6 @@ for _k in (32, 64, 128):
         {"param_sync_every": _k, "compress_params": True, "selection": "lowpass", "keep_ratio": 1.0, "value_format": "sign",
          "state_sync_every": {}},
     )
-METHODS["desloc-compressed-local-top128"] = Method(
-    "compressed parameter syncs every 16 steps keeping 128 per tile, moments never averaged", "desloc", "adamw", ADAMW_LR,
-    {**_LOCAL_MOMENTS, "topk": 128},
-)
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -228,7 +229,10 @@ def worker(args: argparse.Namespace) -> None:
             if isinstance(strat, demo_lightning.strategies.CommunicationStrategy):
                 traffic, records = strat.ledger.last_step, list(strat.ledger.step_records)
                 inside, inside_comm = self.inside_s - self._inside0, self.inside_comm_s - self._inside_comm0
-                row.update(sent=traffic.sent_bytes, received=traffic.received_bytes, calls=traffic.calls,
+                by_tag: dict[str, float] = {}
+                for rec in records:
+                    by_tag[rec.tag] = by_tag.get(rec.tag, 0.0) + rec.sent_bytes
+                row.update(sent=traffic.sent_bytes, received=traffic.received_bytes, calls=traffic.calls, sent_by_tag=by_tag,
                            exchange_s=inside + (comm - inside_comm), modeled={f"{b:g}": modeled_seconds(records, b, latency) for b in bandwidths})
             else:
                 n = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
@@ -270,11 +274,23 @@ def worker(args: argparse.Namespace) -> None:
         "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "rows": recorder.rows, "val_curve": recorder.val_curve, "ddp_allreduce_s": allreduce_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "sync_periods": sync_periods(trainer.strategy),
     }
     Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
     if dist.is_initialized():  # leave together and close the group: gloo's threads abort a process exiting with it open
         dist.barrier()
         dist.destroy_process_group()
+
+
+def sync_periods(strategy: Any) -> dict[str, int]:
+    """Ledger tag prefix -> period in optimizer steps, for every periodic average the strategy runs."""
+    periods: dict[str, int] = {}
+    for averager in getattr(strategy, "averagers", []):
+        config = averager.config
+        if config.param_sync_every is not None:
+            periods["desloc/params"] = periods["desloc/buffers"] = config.param_sync_every  # also desloc/params_compressed
+        periods.update({f"desloc/state/{key}": period for key, period in config.state_periods.items()})
+    return periods
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -322,7 +338,7 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]
     ddp_bytes = 2 * (world - 1) / world * 4 * n
     sent = sum(r["sent"] for r in rows) / steps
     received = sum(r["received"] for r in rows) / steps
-    steady = long_run_ratio(sent, ddp_bytes, method.dense_periods, steps)
+    steady = long_run_ratio(rows, r0.get("sync_periods", {}), ddp_bytes)
     modeled_comm = {b: sum(r["modeled"][b] for r in rows) / steps for b in rows[0]["modeled"]}
     cumulative, total = [], 0.0
     for r in rows:
@@ -342,17 +358,37 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]
     }
 
 
-def long_run_ratio(sent_per_step: float, ddp_bytes: float, dense_periods: tuple[int, ...], steps: int) -> float | None:
-    """DDP's bytes over ours in a run long enough for every dense sync to recur at its period.
+def long_run_ratio(rows: list[dict[str, Any]], periods: dict[str, int], ddp_bytes: float) -> float | None:
+    """DDP's bytes over ours in a run long enough for every periodic average to recur at its period.
 
-    A dense sync all-reduces every trainable parameter (or one state of each) in fp32: DDP's bytes
-    for one step. The run's bytes per step are corrected, per dense period ``K``, from the
-    ``floor(steps / K)`` syncs the run held to the ``steps / K`` a long run holds. ``None`` when
-    the method has no dense periodic sync (its run ratio is its long-run ratio).
+    Per ledger tag: every-step traffic counts at its mean over the run; a periodic average (tag
+    prefix in ``periods``) counts at its mean bytes per sync held, divided by its period. A dense
+    average of the parameters or of one optimizer state that the run never held is counted as one
+    fp32 all-reduce of every trainable parameter, DDP's bytes for one step (exact without float
+    buffers). ``None`` when the strategy averages nothing periodically (its run ratio is its
+    long-run ratio).
     """
-    if not dense_periods:
+    if not periods:
         return None
-    long_run = sent_per_step + ddp_bytes * sum(1 / k - (steps // k) / steps for k in dense_periods)
+    steps = len(rows)
+    every_step = 0.0
+    held: dict[str, list[float]] = {prefix: [] for prefix in periods}
+    for row in rows:
+        per_prefix: dict[str, float] = {}
+        for tag, sent in row.get("sent_by_tag", {}).items():
+            prefix = next((p for p in periods if tag.startswith(p)), None)
+            if prefix is None:
+                every_step += sent / steps
+            else:
+                per_prefix[prefix] = per_prefix.get(prefix, 0.0) + sent
+        for prefix, sent in per_prefix.items():
+            held[prefix].append(sent)
+    long_run = every_step
+    for prefix, syncs in held.items():
+        if syncs:
+            long_run += sum(syncs) / len(syncs) / periods[prefix]
+        elif prefix == "desloc/params" or prefix.startswith("desloc/state/"):
+            long_run += ddp_bytes / periods[prefix]
     return ddp_bytes / long_run if long_run > 0 else math.inf
 
 
