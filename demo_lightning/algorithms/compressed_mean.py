@@ -353,11 +353,10 @@ class CompressedMean:
 
         for group in plan.dense_groups.values():
             flat = torch.cat([inputs[i.position].reshape(-1).to(i.dtype) for i in group])
+            sizes = [inputs[i.position].numel() for i in group]
+            totals = torch.segment_reduce(flat.pow(2), "sum", lengths=torch.tensor(sizes, device=flat.device)).tolist()
             self.comm.all_reduce_sum_(flat, f"{tag}/dense")
             flat.div_(world)
-            sizes = [inputs[i.position].numel() for i in group]
-            own = torch.cat([inputs[i.position].reshape(-1).to(torch.float64) for i in group])
-            totals = torch.segment_reduce(own.pow(2), "sum", lengths=torch.tensor(sizes, device=own.device)).tolist()
             for item, part, total in zip(group, torch.split(flat, sizes), totals):
                 mean_out[item.position] = part.view(item.shape)
                 sent_out[item.position] = inputs[item.position].to(item.dtype)
