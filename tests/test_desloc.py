@@ -101,6 +101,25 @@ def test_state_key_the_optimizer_does_not_keep_is_rejected_at_first_sync() -> No
         avg.after_step()
 
 
+def test_compressed_sync_state_of_another_model_is_rejected_and_changes_nothing() -> None:
+    def averager(model: nn.Module) -> DesLocAverager:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return DesLocAverager(opt, DesLocConfig(param_sync_every=2, state_sync_every={}, compress_params=True))
+
+    torch.manual_seed(0)
+    saved = averager(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))).state_dict()
+    assert [tuple(a.shape) for a in saved["anchor"]] == [(8, 4), (8,), (2, 8), (2,)]
+    for other in (nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))):
+        target = averager(other)
+        before = [a.clone() for a in target.state_dict()["anchor"]]
+        with pytest.raises(ValueError, match="saved DES-LOC anchor holds 4 tensors.*different model"):
+            target.load_state_dict({**saved, "step_count": 7})
+        assert target.step_count == 0 and all(torch.equal(a, b) for a, b in zip(target.state_dict()["anchor"], before))
+    same = averager(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    same.load_state_dict({**saved, "step_count": 7})
+    assert same.step_count == 7 and all(torch.equal(a, b) for a, b in zip(same.state_dict()["anchor"], saved["anchor"]))
+
+
 def test_non_floating_state_is_rejected() -> None:
     model = nn.Linear(4, 4)
     opt = _CountingOptimizer(model.parameters(), lr=0.1)

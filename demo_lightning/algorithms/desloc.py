@@ -408,10 +408,25 @@ class DesLocAverager:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install a :meth:`state_dict`; nothing changes when it does not fit.
+
+        Raises:
+            ValueError: the saved anchor or residual (compressed sync) does not match the trainable
+                parameters in count and shapes (a checkpoint of a different model).
+        """
+        params = self.parameters()
+        if "anchor" in state:
+            for name in ("anchor", "residual"):
+                shapes = [tuple(t.shape) for t in state[name]]
+                if shapes != [tuple(p.shape) for p in params]:
+                    raise ValueError(
+                        f"saved DES-LOC {name} holds {len(shapes)} tensors of shapes {shapes[:4]}{'...' if len(shapes) > 4 else ''}; "
+                        f"the optimizer's {len(params)} trainable parameters differ: the checkpoint comes from a different "
+                        "model (or a different set of trainable parameters)"
+                    )
         self.step_count = int(state["step_count"])
         self.stats.steps = self.step_count
         self.stats.syncs = dict(state.get("syncs", {}))
-        params = self.parameters()
         if "anchor" in state:
             self._anchor = [a.to(p.device, p.dtype).clone() for a, p in zip(state["anchor"], params)]
             self._residual = [e.to(p.device, p.dtype).clone() for e, p in zip(state["residual"], params)]
