@@ -179,9 +179,16 @@ def test_users_own_text_and_image_folders(tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("hello world, this is my own text. " * 400)
     dm = TextDataModule(path=str(text), block_size=16, batch_size=2)
+    with pytest.raises(RuntimeError, match="training split is not loaded yet: call setup"):
+        dm.train_dataloader()
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch.shape == (2, 17) and bytes(batch[0].tolist()).decode(errors="ignore").strip()
+    # training drops the last partial batch (equal steps on every rank); validation keeps all, in order
+    assert len(dm.train_dataloader()) == len(dm.train_set) // 2
+    val = torch.cat(list(dm.val_dataloader()))
+    assert torch.equal(val, torch.stack([dm.val_set[i] for i in range(len(dm.val_set))]))
+    assert torch.equal(torch.cat(list(dm.test_dataloader())), val) and torch.equal(torch.cat(list(dm.predict_dataloader())), val)
 
     for label in ("cats", "dogs"):
         (tmp_path / "images" / label).mkdir(parents=True)

@@ -2,6 +2,10 @@
 (scikit-learn's digits by default); both take a path to the user's own data."""
 
 from demo_lightning.data.images import ImageDataModule, load_digits_tensors
+from demo_lightning.data.splits import TrainValDataModule
 from demo_lightning.data.text import ByteWindows, TextDataModule, load_text_corpus, stdlib_source_root
 
-__all__ = ["ByteWindows", "ImageDataModule", "TextDataModule", "load_digits_tensors", "load_text_corpus", "stdlib_source_root"]
+__all__ = [
+    "ByteWindows", "ImageDataModule", "TextDataModule", "TrainValDataModule", "load_digits_tensors", "load_text_corpus",
+    "stdlib_source_root",
+]

@@ -14,11 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset
 from typing_extensions import override
+
+from demo_lightning.data.splits import TrainValDataModule
 
 __all__ = ["ImageDataModule", "load_digits_tensors"]
 
@@ -34,7 +35,7 @@ def load_digits_tensors(image_size: int = 32, channels: int = 3) -> tuple[torch.
     return images.repeat(1, channels, 1, 1), torch.tensor(digits.target, dtype=torch.int64)
 
 
-class ImageDataModule(pl.LightningDataModule):
+class ImageDataModule(TrainValDataModule):
     """Digits by default, or an image folder (see the module docstring).
 
     Args:
@@ -91,21 +92,3 @@ class ImageDataModule(pl.LightningDataModule):
             order = torch.randperm(len(data), generator=torch.Generator().manual_seed(self.seed)).tolist()
             n_val = max(1, round(self.val_fraction * len(data)))
             self.val_set, self.train_set = Subset(data, order[:n_val]), Subset(data, order[n_val:])
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self.val_dataloader()

@@ -19,11 +19,12 @@ import zlib
 from pathlib import Path
 from typing import Optional
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from typing_extensions import override
+
+from demo_lightning.data.splits import TrainValDataModule
 
 __all__ = ["ByteWindows", "TextDataModule", "load_text_corpus", "stdlib_source_root"]
 
@@ -93,7 +94,7 @@ class ByteWindows(Dataset):
         return self.data[start : start + self.window].to(torch.long)
 
 
-class TextDataModule(pl.LightningDataModule):
+class TextDataModule(TrainValDataModule):
     """Byte windows from the stdlib sources (default) or a user's text.
 
     Args:
@@ -129,22 +130,3 @@ class TextDataModule(pl.LightningDataModule):
             train, val = load_text_corpus(self.path, self.max_bytes, self.val_fraction)
             self.train_set = ByteWindows(train, self.block_size)
             self.val_set = ByteWindows(val[: self.max_val_bytes], self.block_size)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        """The validation split (the corpus has no separate test split)."""
-        return self.val_dataloader()
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
