@@ -376,7 +376,9 @@ def long_run_ratio(rows: list[dict[str, Any]], periods: dict[str, int], ddp_byte
     for row in rows:
         per_prefix: dict[str, float] = {}
         for tag, sent in row.get("sent_by_tag", {}).items():
-            prefix = next((p for p in periods if tag.startswith(p)), None)
+            # the longest prefix ending at a separator: desloc/state/exp_avg_sq is not desloc/state/exp_avg's
+            matches = [p for p in periods if tag == p or (tag.startswith(p) and tag[len(p)] in "/_")]
+            prefix = max(matches, key=len) if matches else None
             if prefix is None:
                 every_step += sent / steps
             else:

@@ -156,3 +156,24 @@ def test_readme_results_are_the_rendering_of_the_committed_json() -> None:
     section = readme.split(compare.README_START, 1)[1].split(compare.README_END, 1)[0]
     assert section.strip() == compare.render(saved["meta"], records).strip()
     assert (ROOT / "benchmarks" / "results" / "latest.md").read_text().strip() == section.strip()
+
+
+def test_long_run_ratio_counts_each_periodic_average_once_at_its_period() -> None:
+    compare = _load_compare()
+    ddp = 1_000_000.0
+
+    def rows(steps: int, syncs: dict[int, dict[str, float]]) -> list[dict]:
+        return [{"sent_by_tag": {"guard/nonfinite": 1.0, **syncs.get(t, {})}} for t in range(1, steps + 1)]
+
+    # Local Adam, K 512 for the parameters and both moments: one sync of each in 520 steps;
+    # desloc/state/exp_avg_sq must not be taken for desloc/state/exp_avg
+    keys = {"desloc/params": ddp, "desloc/state/exp_avg": ddp, "desloc/state/exp_avg_sq": ddp}
+    periods = {"desloc/params": 512, "desloc/buffers": 512, "desloc/state/exp_avg": 512, "desloc/state/exp_avg_sq": 512}
+    assert math.isclose(compare.long_run_ratio(rows(520, {512: keys}), periods, ddp), ddp / (1 + 3 * ddp / 512), rel_tol=1e-12)
+    # compressed parameter syncs every 16 (32 held in 520 steps, 900 bytes each over two tags);
+    # moments every 768 / 1536, never held: one dense all-reduce each at its period
+    codec = {"desloc/params_compressed/topk": 700.0, "desloc/params_compressed/dense": 200.0}
+    periods = {"desloc/params": 16, "desloc/buffers": 16, "desloc/state/exp_avg": 768, "desloc/state/exp_avg_sq": 1536}
+    got = compare.long_run_ratio(rows(520, {t: codec for t in range(16, 521, 16)}), periods, ddp)
+    assert math.isclose(got, ddp / (1 + 900 / 16 + ddp / 768 + ddp / 1536), rel_tol=1e-12)
+    assert compare.long_run_ratio(rows(10, {}), {}, ddp) is None  # nothing periodic: the run ratio is the long-run ratio
