@@ -170,7 +170,7 @@ def time_tensor(name: str, shape: tuple[int, ...], args: argparse.Namespace, dev
 
 
 ISOLATED = ("to_tiles", "dct2", "select", "select_lowpass", "scatter", "idct2", "from_tiles", "decode")
-IN_STEP = ("to_tiles", "dct2", "select", "pack_segment", "unpack_segment", "idct2", "from_tiles")
+IN_STEP = ("to_tiles", "dct2", "select", "pack_segments", "unpack_segments", "idct2", "from_tiles")
 
 
 def step_breakdown(mean: Any, x: Any, step_s: float, min_run_time: float, device: Any) -> dict[str, Any]:
@@ -235,8 +235,8 @@ def derive(rec: dict[str, Any]) -> None:
     for f in rec["formats"].values():
         # the step runs every stage once, but decodes 2 T tiles (what it sent, and the mean)
         isolated = {
-            "to_tiles": s["to_tiles"], "dct2": s["dct2"], "select": s["select"], "pack_segment": f["pack"]["median_s"],
-            "unpack_segment": f["unpack"]["median_s"], "scatter": 2 * s["scatter"], "idct2": 2 * s["idct2"],
+            "to_tiles": s["to_tiles"], "dct2": s["dct2"], "select": s["select"], "pack_segments": f["pack"]["median_s"],
+            "unpack_segments": f["unpack"]["median_s"], "scatter": 2 * s["scatter"], "idct2": 2 * s["idct2"],
             "from_tiles": 2 * s["from_tiles"],
         }
         f["isolated_s"] = isolated
@@ -407,7 +407,7 @@ def render(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['name']} | {fmt} | {_ms(f['step_s'])} | "
                 + " | ".join(f"{_ms(f['parts_s'][key])} ({100 * f['share'][key]:.0f} %)" for key in (*IN_STEP, "rest"))
-                + f" | {d['stage'].replace('_segment', '')} | {f['minor_page_faults']:,.0f} |"
+                + f" | {d['stage'].replace('_segments', '')} | {f['minor_page_faults']:,.0f} |"
             )
     keys = ("matmul_floor", "dct2_gemms", "to_tiles", "dct2", "select", "scatter", "idct2", "from_tiles")
     lines += [

@@ -275,6 +275,7 @@ def worker(args: argparse.Namespace) -> None:
         "rows": recorder.rows, "val_curve": recorder.val_curve, "ddp_allreduce_s": allreduce_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "sync_periods": sync_periods(trainer.strategy),
+        "library": str(Path(demo_lightning.__file__).resolve().parent.parent),  # which demo_lightning ran
     }
     Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
     if dist.is_initialized():  # leave together and close the group: gloo's threads abort a process exiting with it open
@@ -354,7 +355,7 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]
         "exchange_share": sum(r["exchange_s"] for r in rows) / max(1e-12, sum(r["seconds"] for r in rows)),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "modeled_comm_s_per_step": modeled_comm,
-        "train_loss": [r["loss"] for r in rows], "cumulative_sent_bytes": cumulative,
+        "train_loss": [r["loss"] for r in rows], "cumulative_sent_bytes": cumulative, "library": r0.get("library"),
     }
 
 

@@ -177,3 +177,20 @@ def test_long_run_ratio_counts_each_periodic_average_once_at_its_period() -> Non
     got = compare.long_run_ratio(rows(520, {t: codec for t in range(16, 521, 16)}), periods, ddp)
     assert math.isclose(got, ddp / (1 + 900 / 16 + ddp / 768 + ddp / 1536), rel_tol=1e-12)
     assert compare.long_run_ratio(rows(10, {}), {}, ddp) is None  # nothing periodic: the run ratio is the long-run ratio
+
+
+
+def test_exchange_share_measures_a_revision_side_by_side_from_its_own_worktree(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "exchange_share.py"), "--batch-sizes", "2", "--steps", "3",
+           "--against", "HEAD", "--rounds", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    saved = json.loads((tmp_path / "exchange_share_ab.json").read_text())
+    rows = {r["library"]: r for r in saved["rows"]}
+    assert len(rows) == 2 and "HEAD" in rows and saved["meta"]["against"] == "HEAD"
+    ours = next(r for label, r in rows.items() if label != "HEAD")
+    # the revision's workers imported its worktree's demo_lightning, ours the repository's
+    assert ours["library_paths"] == [str(ROOT)] and rows["HEAD"]["library_paths"] != [str(ROOT)]
+    for r in rows.values():
+        assert r["rounds"] == 1 and r["batch_size"] == 2 and r["step_time_s"] > 0 and 0 < r["exchange_share"] < 1
+    assert (tmp_path / "exchange_share_ab.md").read_text().count("| 2 | 256 |") == 2
