@@ -180,6 +180,7 @@ def test_long_run_ratio_counts_each_periodic_average_once_at_its_period() -> Non
 
 
 
+@pytest.mark.slow  # ~1 min (two 2-process fits and a git worktree): a benchmark tool's A/B mode, kept out of CI's 15 minutes
 def test_exchange_share_measures_a_revision_side_by_side_from_its_own_worktree(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "exchange_share.py"), "--batch-sizes", "2", "--steps", "3",
            "--against", "HEAD", "--rounds", "1", "--out", str(tmp_path)]
