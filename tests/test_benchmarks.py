@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from demo_lightning.models import GPT
 
 ROOT = Path(__file__).parent.parent
