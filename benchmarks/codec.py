@@ -323,7 +323,7 @@ def byte_table(args: argparse.Namespace) -> dict[str, Any]:
         "n_dense_tensors": sum(1 for p in params if p.numel() < CodecConfig().dense_below),
         "chunk": args.chunk, "topk": args.topk, "methods": methods, "rows": rows, "crossover": crossover,
         "note": "per worker per step of the codec exchange (compressed tensors plus the fp32 all-reduce of tensors "
-                "below dense_below); DeMoStrategy's non-finite guard adds an all-gather of 1 byte (W - 1 bytes per worker)",
+                "below dense_below); DeMoStrategy's non-finite guard adds an all-gather of 9 bytes (a flag byte and the plan digest: 9 (W - 1) bytes per worker)",
     }
 
 

@@ -150,7 +150,8 @@ def test_awkward_model_under_desloc_agrees_after_every_sync_only(tmp_path: Path)
     # rank 0 never computed a gradient for the branch, yet holds the average of rank 1's updates
     assert "side.weight" not in r0["states"][-1] and "side.weight" in r1["states"][-1]
     assert not torch.equal(r0["final"]["side.weight"], r0["after_broadcast"]["side.weight"])
-    assert r0["syncs"] == r1["syncs"] == [{"params": STEPS // k, "state/exp_avg": STEPS // k, "state/exp_avg_sq": STEPS // (2 * k)}]
+    final = {"final": 1} if STEPS % k else {}  # the fit ended between syncs: one last average
+    assert r0["syncs"] == r1["syncs"] == [{"params": STEPS // k, "state/exp_avg": STEPS // k, "state/exp_avg_sq": STEPS // (2 * k), **final}]
 
 
 def test_awkward_model_under_demo_with_desloc_schedule(tmp_path: Path) -> None:
@@ -171,7 +172,7 @@ def test_ranks_with_different_trainable_parameters_fail_together_with_a_clear_er
     for rank, proc in enumerate(procs):
         assert proc.returncode != 0, _tail(tmp_path, rank)
         message = (tmp_path / f"rank{rank}.error").read_text()
-        assert message.startswith("RuntimeError: the list of tensors to average"), message  # not a gloo abort
+        assert message.startswith("RuntimeError: the list of tensors to exchange"), message  # not a gloo abort
         for part in ("differs between rank 0 and rank(s) [1]", "items: rank 0: 13, rank 1: 12", "same trainable parameters"):
             assert part in message, (part, message)
 

@@ -142,6 +142,7 @@ ROWS = [
     Row("desloc-timeout", lambda _: DesLocStrategy(timeout=-5), ValueError, r"timeout", r"must be > 0 seconds"),
     Row("desloc-start_method", lambda _: DesLocStrategy(start_method="fork-exec"), ValueError, r"start_method", r"one of \('popen'"),
     Row("desloc-nonfinite", lambda _: DesLocStrategy(nonfinite=True), ValueError, r"nonfinite", r"'skip'.*'raise'"),
+    Row("desloc-final_sync", lambda _: DesLocStrategy(final_sync="yes"), ValueError, r"final_sync", r"True or False"),
     Row(
         "desloc-state-key-the-optimizer-lacks",
         lambda _: _fit(DesLocStrategy(param_sync_every=1, state_sync_every={"momentum_buffer": 1}), lambda p: torch.optim.AdamW(p)),

@@ -126,10 +126,10 @@ def test_compare_quick_run_writes_records_plots_and_a_table_that_rerenders(tmp_p
     # DDP: one fp32 ring all-reduce of every gradient, 2 (W-1)/W * 4 n; no exchange of ours
     assert ddp["bytes_sent_per_step"] == ddp["bytes_received_per_step"] == 4 * n and ddp["exchange_share"] == 0
     # ours, before any DES-LOC sync: the top-k sign payload (all-gathered: (W-1) x payload), the dense
-    # tensors' fp32 all-reduce and the guard's byte, exactly
+    # tensors' fp32 all-reduce and the guard's 9 bytes (its flag byte and the exchange's plan digest), exactly
     payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
     dense = sum(4 * p.numel() for p in params if p.numel() < 4096)
-    assert ours["bytes_sent_per_step"] == ours["bytes_received_per_step"] == payload + dense + 1
+    assert ours["bytes_sent_per_step"] == ours["bytes_received_per_step"] == payload + dense + 9
     assert ours["ratio_vs_ddp"] > 50 and 0 < ours["exchange_share"] < 1
     # long run: the parameter average (every 256) and the residual average (every 512), which 6 steps
     # never hold, each at one fp32 all-reduce of every parameter; DDP has no periodic average

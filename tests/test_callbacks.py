@@ -1,4 +1,5 @@
-"""Callbacks: schedules, layer kinds, energy oracle, budget, policies, monitor; contract runs at 1 and 2
+"""Callbacks: schedules, layer kinds, energy oracle, budget, policies (and their composition with the
+adaptive keep ratio, in either order and in the shipped config), monitor; contract runs at 1 and 2
 workers (every callback in the package: defaults, fit twice, resume to the same schedule position);
 TensorBoard event files read back."""
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import scipy.fft
@@ -230,6 +232,156 @@ def test_bandwidth_budget_caps_the_bytes_the_exchange_plans_and_sends(isolated_p
     exchange = trainer.strategy.exchanges[0]
     assert sum(exchange.payload_bytes(p) for p in exchange.parameters()) == capped.planned_bytes
     assert all(k >= 1 for k in capped.current_k.values())
+
+
+# ---------------------------------------------------------------- LayerPolicy x AdaptiveKeepRatio
+class _Kinds(pl.LightningModule):
+    """A tiny module with one tensor per layer kind the rules below address (all compressed: dense_below=0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.Module()
+        self.attn.q_proj = nn.Linear(32, 32, bias=False)  # attention_qk
+        self.mlp = nn.Module()
+        self.mlp.up = nn.Linear(32, 64, bias=False)  # ffn
+        self.head = nn.Linear(32, 32, bias=False)  # linear, a topk rule
+        self.extra = nn.Linear(32, 32, bias=False)  # linear, no strength rule
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return sum((m(x) ** 2).mean() for m in (self.attn.q_proj, self.mlp.up, self.head, self.extra))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class _KRecorder(pl.Callback):
+    """Records, at every batch start (after the callbacks before it), each tensor's applied k and decay."""
+
+    def __init__(self, adaptive: AdaptiveKeepRatio) -> None:
+        self.adaptive = adaptive
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        exchange = trainer.strategy.exchanges[0]
+        names = {p: n for n, p in pl_module.named_parameters()}
+        self.steps.append({
+            "step": trainer.global_step,
+            "k": {names[p]: exchange.k_of(p) for p in exchange.parameters()},
+            "decay": {names[p]: exchange.decay_of(p) for p in exchange.parameters()},
+            "controller_k": dict(self.adaptive.controller_k),
+        })
+
+
+_COMPOSE_RULES = [
+    LayerRule(kind="attention_qk", keep_ratio=1 / 8, beta=0.5),  # 4x the strategy's 8/256
+    LayerRule(kind="ffn", keep_ratio=Schedule(kind="linear", start=1 / 64, end=1 / 32, steps=4)),  # 1/2 -> 1x
+    LayerRule(pattern="head.*", topk=4),  # 4 of 256: 1/2 x
+]
+
+
+def _compose_fit(adaptive_kwargs: dict[str, Any], policy_first: bool, steps: int = 5) -> tuple[list[dict[str, Any]], AdaptiveKeepRatio]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from demo_lightning import DeMoStrategy
+
+    policy = LayerPolicy(rules=list(_COMPOSE_RULES), print_settings=False)
+    adaptive = AdaptiveKeepRatio(**adaptive_kwargs)
+    recorder = _KRecorder(adaptive)
+    pair = [policy, adaptive] if policy_first else [adaptive, policy]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=DeMoStrategy(chunk=16, topk=8, dense_below=0), max_steps=steps,
+        callbacks=[*pair, recorder], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )
+    data = DataLoader(TensorDataset(torch.randn(64, 32, generator=torch.Generator().manual_seed(1))), batch_size=8)
+    trainer.fit(_Kinds(), data)
+    assert "0.125 x adaptive" in policy.format_table()  # the table names the base ratio as scaled
+    return recorder.steps, adaptive
+
+
+_MULTIPLIER_AT = {  # policy ratio / strategy ratio (8 of a 16x16 tile = 1/32), per step for the ffn schedule
+    "attn.q_proj.weight": lambda t: (1 / 8) / (1 / 32),
+    "mlp.up.weight": lambda t: Schedule(kind="linear", start=1 / 64, end=1 / 32, steps=4)(t) / (1 / 32),
+    "head.weight": lambda t: (4 / 256) / (1 / 32),
+    "extra.weight": lambda t: 1.0,
+}
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - 1e-9)
+
+
+def test_adaptive_schedule_scales_each_tensors_policy_ratio_in_either_callback_order(isolated_process_group: None) -> None:
+    """k_p = clamp(ceil(s(t) / r_strategy * r_p * tile), 1, tile): the schedule's level relative to the
+    strategy's ratio multiplies each rule's ratio; a tensor without a strength rule follows s(t)."""
+    ramp = Schedule(kind="linear", start=1 / 32, end=1 / 8, steps=4)
+    runs = [_compose_fit({"keep_ratio": ramp}, policy_first=order) for order in (True, False)]
+    (first, _), (second, _) = runs
+    assert [s["k"] for s in first] == [s["k"] for s in second]  # callback order does not matter
+    assert [s["decay"] for s in first] == [s["decay"] for s in second]
+    for record in first:
+        t = record["step"]
+        expected = {name: min(256, max(1, _ceil(ramp(t) * m(t) * 256))) for name, m in _MULTIPLIER_AT.items()}
+        assert record["k"] == expected, t
+        assert record["decay"]["attn.q_proj.weight"] == 0.5  # the policy's other settings still apply
+    k0 = first[0]["k"]
+    assert k0["attn.q_proj.weight"] > k0["extra.weight"] > k0["mlp.up.weight"] and k0["head.weight"] == k0["mlp.up.weight"]
+    assert len({tuple(s["k"].values()) for s in first}) > 2  # both schedules move
+
+
+def test_adaptive_energy_controller_scales_each_tensors_policy_ratio_in_either_callback_order(isolated_process_group: None) -> None:
+    """k_p = clamp(ceil(k_energy * r_p / r_strategy), [min_keep_ratio, max_keep_ratio] of the tile)."""
+    kwargs = {"energy": 0.3, "update_every": 1, "max_keep_ratio": 0.5}
+    (first, adaptive), (second, _) = [_compose_fit(kwargs, policy_first=order) for order in (True, False)]
+    assert [(s["k"], s["controller_k"]) for s in first] == [(s["k"], s["controller_k"]) for s in second]
+    low, high = max(1, _ceil(adaptive.min_keep_ratio * 256)), math.floor(0.5 * 256 + 1e-9)
+    assert first[0]["controller_k"] == {}  # before the first measurement: the strategy's k (8) as the controller's level
+    for record in first:
+        t = record["step"]
+        for name, m in _MULTIPLIER_AT.items():
+            level = record["controller_k"].get(name, 8)
+            assert record["k"][name] == min(high, max(low, _ceil(level * m(t)))), (t, name)
+    assert first[-1]["controller_k"]  # the controller measured
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+def test_shipped_demo_desloc_config_applies_the_language_preset_under_the_adaptive_ramp(tmp_path: Path) -> None:
+    """configs/gpt_demo_desloc.yaml: the preset's attention Q/K (1/32) and feed-forward (1/128) ratios,
+    scaled by the ramp's level over the strategy's 64/4096, are what the exchange applies."""
+    from demo_lightning.cli import build_cli
+
+    config = HERE.parent / "configs" / "gpt_demo_desloc.yaml"
+    cli = build_cli([
+        "--config", str(config), "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.max_steps=2", "--model.init_args.block_size=32",
+        "--data.init_args.block_size=32", "--data.init_args.batch_size=4", "--data.init_args.max_bytes=60000",
+    ], run=False)
+    assert cli is not None
+    trainer = cli.trainer
+    recorder = _KRecorder(next(cb for cb in trainer.callbacks if isinstance(cb, AdaptiveKeepRatio)))
+    trainer.callbacks.append(recorder)
+    trainer.fit(cli.model, cli.datamodule)
+    assert {type(cb).__name__ for cb in trainer.callbacks} >= {"LayerPolicy", "AdaptiveKeepRatio"}
+    exchange = trainer.strategy.exchanges[0]
+    named = dict(cli.model.named_parameters())
+    k = {name: exchange.k_of(p) for name, p in named.items()}
+    kinds = layer_kinds(cli.model)
+    by_kind: dict[str, set[int]] = {}
+    for name, value in k.items():
+        if named[name].dim() == 2:  # matrices: tiles of 64 x 64 (biases are small, sent densely)
+            by_kind.setdefault(kinds[name], set()).add(value)
+    # the last step's ramp level s (cosine 1/128 -> 1/32 over 2 steps, before step 1: halfway), tiles of 4096
+    s = (1 / 128 + 1 / 32) / 2
+    assert by_kind["attention_qk"] == {_ceil(s * (1 / 32) / (64 / 4096) * 4096)}  # 2x the ramp
+    assert by_kind["ffn"] == {_ceil(s * (1 / 128) / (64 / 4096) * 4096)}  # half the ramp
+    assert by_kind["attention_out"] == {_ceil(s * 4096)}  # no strength rule: the ramp itself
+    assert {k[name] for name in k if kinds[name] == "norm"} == {0}  # the preset's dense norms
+    assert min(by_kind["attention_qk"]) > min(by_kind["attention_out"]) > min(by_kind["ffn"])
+    first = recorder.steps[0]["k"]  # step 0: the ramp's start
+    assert first["model.blocks.0.qkv.weight"] == _ceil((1 / 128) * 2 * 4096) and first["model.blocks.0.fc.weight"] == _ceil((1 / 128) / 2 * 4096)
 
 
 # ---------------------------------------------------------------- contract at 1 and 2 workers

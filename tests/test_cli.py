@@ -226,9 +226,19 @@ def test_validate_test_and_predict_subcommands_and_the_progress_bar_bytes(tmp_pa
         "--data.init_args.max_val_bytes=4000", "--model.init_args.d_model=32", "--model.init_args.n_layer=1",
         "--model.init_args.n_head=2", "--model.init_args.block_size=32", "--data.init_args.block_size=32",
     ]
-    fitted = build_cli(["fit", *small, "--trainer.max_steps=2", "--trainer.limit_val_batches=0"])
-    # the strategy puts this step's bytes on the progress bar
-    assert "comm/bytes_sent_per_step" in fitted.trainer.progress_bar_metrics
+    with_bar = ["--trainer.enable_progress_bar=true" if a == "--trainer.enable_progress_bar=false" else a for a in small]
+    with contextlib.redirect_stderr(io.StringIO()):  # the bar itself
+        fitted = build_cli(["fit", *with_bar, "--trainer.max_steps=2", "--trainer.limit_val_batches=0"])
+    # the strategy puts this step's bytes sent on the progress bar as a human size; the logged
+    # metric stays a number (TensorBoard) and is not on the bar a second time
+    trainer = fitted.trainer
+    items = trainer.progress_bar_callback.get_metrics(trainer, fitted.model)
+    assert re.fullmatch(r"\d+(\.\d)? (B|kB|MB|GB|TB)/step", items["comm/sent"]), items
+    from demo_lightning.comm.ledger import human_bytes
+
+    assert items["comm/sent"] == f"{human_bytes(trainer.strategy.last_traffic.sent_bytes)}/step"
+    assert "comm/bytes_sent_per_step" not in items and "loss" in " ".join(items)
+    assert float(trainer.callback_metrics["comm/bytes_sent_per_step"]) == trainer.strategy.last_traffic.sent_bytes
     ckpt = tmp_path / "fitted.ckpt"
     fitted.trainer.save_checkpoint(ckpt)
     validated = build_cli(["validate", *small, f"--ckpt_path={ckpt}"])

@@ -1,4 +1,5 @@
-"""Codec oracles: scipy's DCT, orthonormality, exact round trips, lossless top-k, exact packing."""
+"""Codec oracles: scipy's DCT, orthonormality, exact round trips, lossless top-k, exact packing,
+saturation and finite decoding at the edges of every value format, and when a mean is exact."""
 
 from __future__ import annotations
 
@@ -226,3 +227,186 @@ def test_pack_segments_equals_concatenated_single_segments(
         assert got_positions is None
     with pytest.raises(ValueError, match="expected"):
         unpack_segments(buf[:-1], tiles, k, tile_numel, value_format, with_positions)
+
+
+# ---------------------------------------------------------------------------- range: saturation, zero and huge tiles
+_F32_MAX = torch.finfo(torch.float32).max
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+# every case: a hostile tile, an all-zero tile (scales of 0: exact zeros, no 0/0) and an ordinary one
+_HOSTILE = {
+    "beyond-fp16": [7.0e4, -1.0e5, 65519.0, 65520.0, 1.0, 0.0],  # fp16: inf without saturation
+    "near-fp32-max": [_F32_MAX, -_F32_MAX, 0.999 * _F32_MAX, 3.39e38, 1.0, 0.0],  # bf16 rounds to inf; int8's
+    # 127 * (max / 127) and sign's sum of |v| overflow fp32
+    "tiny": [1e-40, -3e-41, 1e-45, -1e-45, 0.0, 0.0],  # subnormal: int8's max / 127 underflows
+}
+
+
+def _hostile(case: str) -> torch.Tensor:
+    return torch.tensor([_HOSTILE[case], [0.0] * 6, [0.5, -2.0, 3.0, -4.0, 0.25, 1.0]])
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)  # bit for bit: -0.0 differs from 0.0, NaN payloads count
+
+
+@pytest.mark.parametrize("value_format", VALUE_FORMATS)
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_finite_values_of_any_size_decode_finite_and_exactly_as_unpacked(value_format: str, case: str, with_positions: bool) -> None:
+    values = _hostile(case)
+    n_tiles, k = values.shape
+    positions = torch.arange(k).repeat(n_tiles, 1)
+    buf, decoded = pack_segment(positions if with_positions else None, values, 64, value_format)
+    _, got = unpack_segment(buf, n_tiles, k, 64, value_format, with_positions)
+    assert bool(torch.isfinite(decoded).all()), (value_format, decoded)
+    assert torch.equal(_bits(got), _bits(decoded))
+    assert torch.equal(_bits(quantize_values(values, value_format)), _bits(decoded))
+    assert torch.equal(decoded[1], torch.zeros(k)) and not bool(torch.signbit(decoded[1]).any())  # the all-zero tile
+    # many segments (one tile, then two): the same decoded values
+    many, many_decoded = pack_segments(positions if with_positions else None, values, (1, 2), 64, value_format)
+    assert torch.equal(_bits(many_decoded), _bits(decoded))
+    _, many_got = unpack_segments(many, (1, 2), k, 64, value_format, with_positions)
+    assert torch.equal(_bits(many_got), _bits(decoded))
+
+
+def test_float_formats_saturate_at_their_largest_finite_value() -> None:
+    values = torch.tensor([[7.0e4, -1.0e5, 65519.0, 65520.0, 3.39e38, -_F32_MAX, 1.5, -0.0]])
+    assert quantize_values(values, "fp16")[0].tolist() == [65504.0, -65504.0, 65504.0, 65504.0, 65504.0, -65504.0, 1.5, -0.0]
+    bf16 = quantize_values(values, "bf16")
+    assert bf16[0, 4:6].tolist() == [_BF16_MAX, -_BF16_MAX]
+    assert torch.equal(bf16[0, :4], values[0, :4].to(torch.bfloat16).float())  # in range: plain rounding
+    assert torch.equal(quantize_values(values, "fp32"), values)
+    # int8 and sign: finite scales whose decoded values stay below fp32's max
+    huge = torch.tensor([[_F32_MAX, -_F32_MAX, _F32_MAX]])
+    assert quantize_values(huge, "int8").abs().max() <= _F32_MAX
+    torch.testing.assert_close(quantize_values(huge, "sign"), huge, rtol=1e-6, atol=0)
+
+
+
+@pytest.mark.parametrize("value_format", VALUE_FORMATS)
+def test_float64_values_beyond_fp32_range_saturate_too(value_format: str) -> None:
+    # float64 parameters: a coefficient beyond fp32's range must not become inf on the way to any format
+    values = torch.tensor([[1e39, -1e300, 2.0, 0.0]], dtype=torch.float64)
+    buf, decoded = pack_segment(None, values, 64, value_format)
+    assert bool(torch.isfinite(decoded).all()), decoded
+    assert torch.equal(_bits(unpack_segment(buf, 1, 4, 64, value_format, False)[1]), _bits(decoded))
+    assert bool(torch.isfinite(values - decoded.double()).all())  # the residual keeps the excess
+
+@pytest.mark.parametrize("value_format", VALUE_FORMATS)
+def test_non_finite_inputs_are_not_disguised(value_format: str) -> None:
+    # the non-finite guard stops these before any exchange; the codec must not turn them into numbers
+    values = torch.tensor([[math.inf, 1.0, 2.0], [math.nan, 1.0, 2.0], [1.0, -2.0, 3.0]])
+    decoded = quantize_values(values, value_format)
+    assert not bool(torch.isfinite(decoded[0]).all()) and not bool(torch.isfinite(decoded[1]).all())
+    assert bool(torch.isfinite(decoded[2]).all())
+    if value_format in ("fp32", "bf16", "fp16"):
+        assert decoded[0, 0] == math.inf and math.isnan(decoded[1, 0])
+
+
+@pytest.mark.parametrize("selection", ["topk", "lowpass"])
+def test_fp16_coefficient_beyond_65504_gives_a_finite_mean_and_keeps_the_excess(selection: str) -> None:
+    from demo_lightning.algorithms.compressed_mean import CodecConfig, CompressedMean
+    from demo_lightning.comm import Communicator
+
+    # a constant 64x64 tile of 2000 has one DCT coefficient, 64 * 2000 = 128000 > 65504
+    x = torch.full((64, 64), 2000.0)
+    codec = CompressedMean(CodecConfig(chunk=64, topk=4, selection=selection, value_format="fp16", dense_below=0), Communicator())
+    assert codec.config.all_reduces == (selection == "lowpass")
+    (mean,), (sent,) = codec([x], "test")
+    assert bool(torch.isfinite(mean).all()) and bool(torch.isfinite(sent).all())
+    assert torch.equal(mean, sent)  # one worker: the mean is what it sent
+    residual = x - sent  # error feedback: the sender keeps exactly what the wire could not carry
+    assert bool(torch.isfinite(residual).all())
+    torch.testing.assert_close(sent, torch.full_like(x, 65504.0 / 64), rtol=1e-6, atol=1e-3)
+    torch.testing.assert_close(residual, torch.full_like(x, (128000.0 - 65504.0) / 64), rtol=1e-6, atol=1e-3)
+
+
+@pytest.mark.parametrize("value_format", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("summands", [1, 2, 3, 7, 8, 64, 1000])
+def test_saturated_values_of_w_workers_sum_without_overflow(value_format: str, summands: int) -> None:
+    from demo_lightning.codec.packing import saturate, saturation_limit
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[value_format]
+    top = torch.finfo(dtype).max
+    limit = saturation_limit(value_format, summands)
+    assert limit == torch.tensor(limit, dtype=torch.float64).to(dtype).item()  # a value of the format
+    # the bound |sum| <= (1 + u)^(W - 1) * W * limit stays finite, and limit is the largest value that keeps it
+    growth = (1 + torch.finfo(dtype).eps / 2) ** (summands - 1)
+    assert limit == top if summands == 1 else top / summands / growth / (1 + torch.finfo(dtype).eps) < limit <= top / summands / growth
+    # the worst case: every worker saturated, summed in the wire format in rank order and pairwise
+    narrow = saturate(torch.tensor([1e300, -1e300, 5.0], dtype=torch.float64), value_format, summands)
+    assert narrow.dtype == dtype and narrow.tolist() == [limit, -limit, 5.0]
+    column = narrow[:1].expand(summands).clone()
+    total = column[0]
+    for v in column[1:]:
+        total = total + v
+    assert math.isfinite(total.item())
+    while column.numel() > 1:
+        column = torch.cat([column[0::2][: column.numel() // 2] + column[1::2], column[column.numel() // 2 * 2 :]])
+    assert math.isfinite(column.item())
+
+
+def test_saturate_passes_non_finite_values_and_names_bad_arguments() -> None:
+    from demo_lightning.codec.packing import saturate, saturation_limit
+
+    got = saturate(torch.tensor([math.inf, -math.inf, math.nan, 1e6]), "fp16")
+    assert got[:2].tolist() == [math.inf, -math.inf] and math.isnan(got[2]) and got[3] == 65504
+    # any input dtype: bf16 (which cannot hold 65504), fp16 summed by 2 workers, integers
+    assert saturate(torch.tensor([1e5, -3.0]).to(torch.bfloat16), "fp16").tolist() == [65504.0, -3.0]
+    assert saturate(torch.tensor([6e4, 1.0]).half(), "fp16", 2).tolist() == [32736.0, 1.0]
+    assert saturate(torch.tensor([70000, -2]), "fp16").tolist() == [65504.0, -2.0]
+    with pytest.raises(ValueError, match="float formats"):
+        saturation_limit("int8")
+    with pytest.raises(ValueError, match="summands"):
+        saturation_limit("fp16", 0)
+
+
+# ---------------------------------------------------------------------------- identical workers: when the mean is exact
+class _IdenticalWorkers:
+    """``world_size`` workers that all send this process's bytes (wraps a one-process Communicator)."""
+
+    def __init__(self, world_size: int) -> None:
+        from demo_lightning.comm import Communicator
+
+        self._comm = Communicator()
+        self.world_size = world_size
+
+    def __getattr__(self, name: str) -> object:  # check_same, ledger, ...: the one-process communicator's
+        return getattr(self._comm, name)
+
+    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, *args: object, **kwargs: object) -> list[torch.Tensor]:
+        return [b.clone() for b in self._comm.all_gather_bytes(buffer, tag, *args, **kwargs) * self.world_size]
+
+
+def test_sum_in_rank_order_divided_by_w_is_exact_only_for_w_1_2_4() -> None:
+    # the arithmetic of the mean: contributions added in rank order into zeros, then divided by W
+    def mean_of_copies(a: torch.Tensor, world_size: int) -> torch.Tensor:
+        total = torch.zeros_like(a)
+        for _ in range(world_size):
+            total = total + a
+        return total / world_size
+
+    every = (torch.arange(2**23, dtype=torch.int64) + 0x3F800000).to(torch.int32).view(torch.float32)  # all of [1, 2)
+    for world_size in (1, 2, 4):
+        assert torch.equal(mean_of_copies(every, world_size), every), world_size
+    for world_size in (3, 5, 8):
+        assert not torch.equal(mean_of_copies(every, world_size), every), world_size
+    assert mean_of_copies(torch.tensor(0.9), 3) != torch.tensor(0.9)
+    assert mean_of_copies(torch.tensor(0.1), 8) != torch.tensor(0.1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_identical_inputs_give_one_workers_mean_bitwise_only_for_w_1_2_4(world_size: int) -> None:
+    from demo_lightning.algorithms.compressed_mean import CodecConfig, CompressedMean
+    from demo_lightning.comm import Communicator
+
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    config = CodecConfig(chunk=64, keep_ratio=1.0, value_format="fp32", dense_below=0)
+    (single,), _ = CompressedMean(config, Communicator())([x], "t")
+    (mean,), (sent,) = CompressedMean(config, _IdenticalWorkers(world_size))([x], "t")  # type: ignore[arg-type]
+    assert torch.equal(sent, single)
+    if world_size in (1, 2, 4):
+        assert torch.equal(mean, single)
+    else:
+        assert not torch.equal(mean, single)
+        torch.testing.assert_close(mean, single, rtol=1e-6, atol=1e-6)

@@ -147,3 +147,92 @@ def test_ledger_equals_bytes_handed_to_collectives_and_the_formula(tmp_path: Pat
         assert last.sent_bytes == (2 - 1) * topk_payload + 2 * (2 - 1) / 2 * dense_payload
         assert last.ddp_bytes == 2 * (2 - 1) / 2 * 4 * (n_2d + 50)
         assert last.ratio_vs_ddp == pytest.approx(last.ddp_bytes / last.sent_bytes)
+
+
+# ---------------------------------------------------------------- issue 13 regressions
+MEAN_CONFIGS = {
+    "topk-fp32": {"topk": 16, "dense_below": 100, "value_format": "fp32"},
+    "topk-sign": {"topk": 16, "dense_below": 100, "value_format": "sign"},
+    "topk-int8": {"topk": 16, "dense_below": 100, "value_format": "int8"},
+    "lowpass-bf16": {"topk": 16, "dense_below": 100, "selection": "lowpass", "value_format": "bf16"},
+}
+
+
+def _mean_of_what_was_sent(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+    """Different inputs on every rank (several shapes, dense and compressed), through CompressedMean."""
+    from demo_lightning.algorithms import CodecConfig, CompressedMean
+
+    gen = torch.Generator().manual_seed(10 + rank)
+    inputs = [torch.randn(128, 192, generator=gen), torch.randn(70, 33, generator=gen), torch.randn(50, generator=gen), torch.randn(3, 4, 5, 6, generator=gen)]
+    out = {}
+    for name in names:
+        means, sent = CompressedMean(CodecConfig(**MEAN_CONFIGS[name]), Communicator())(inputs, "test")
+        out[name] = {"means": means, "sent": sent}
+    return out
+
+
+def test_three_ranks_decode_every_ranks_contribution_to_the_fp64_mean_of_what_each_sent(tmp_path: Path) -> None:
+    names = sorted(MEAN_CONFIGS)
+    ranks = run_workers(_mean_of_what_was_sent, 3, tmp_path, names)
+    for name in names:
+        for i in range(4):
+            oracle = sum(r[name]["sent"][i].double() for r in ranks) / 3
+            assert not torch.equal(ranks[0][name]["sent"][i], ranks[1][name]["sent"][i])  # the ranks sent different things
+            # the low-pass bf16 values are summed in bf16 by the all-reduce: each partial sum rounds to 8 bits
+            rtol, atol = (1e-5, 1e-6) if not name.endswith("bf16") else (2 * 2**-8, 2 * 2**-8 * float(oracle.abs().max()))
+            for r in ranks:
+                assert torch.equal(r[name]["means"][i], ranks[0][name]["means"][i])  # bitwise the same everywhere
+                torch.testing.assert_close(r[name]["means"][i].double(), oracle, rtol=rtol, atol=atol, msg=f"{name} tensor {i}")
+
+
+def _settings_diverge(rank: int, world: int, via: str) -> str:
+    from demo_lightning.algorithms import TensorSettings
+    from demo_lightning.algorithms.guard import gather_nonfinite
+
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    exchange = DeMoExchange(opt, DeMoConfig(topk=8, dense_below=100), Communicator())
+    try:
+        for step in range(4):
+            if step == 2 and rank == 1:
+                exchange.set_tensor_settings(model.a.weight, TensorSettings(topk=4))  # on one rank only
+            opt.zero_grad()
+            model(torch.randn(8, 64), branch=False).backward()
+            if via == "guard":  # as the strategies do: the digest travels in the guard's all-gather
+                flags = gather_nonfinite(list(model.parameters()), None, exchange.comm, digest=exchange.plan_digest())
+                if not flags.digests_agree:
+                    exchange.check_plan()
+                exchange.step(plan_agreed=True)
+            else:
+                exchange.step()
+            opt.step()
+    except RuntimeError as error:
+        return f"step {step}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("via", ["exchange", "guard"])
+def test_settings_changed_on_one_rank_raise_the_same_error_on_every_rank(tmp_path: Path, via: str) -> None:
+    ranks = run_workers(_settings_diverge, 2, tmp_path, via, timeout=120, collective_timeout=30)
+    for message in ranks:
+        assert message.startswith("step 2: ") and "per-tensor codec settings" in message and "differs between rank 0 and rank(s) [1]" in message, message
+
+
+def _ddp_bytes_by_dtype(rank: int, world: int) -> dict[str, float]:
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(128, 64).to(dtype)), nn.Parameter(torch.randn(40).to(dtype))]
+        exchange = DeMoExchange(torch.optim.SGD(params, lr=0.1), DeMoConfig(topk=8, dense_below=100), Communicator())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        out[str(dtype)] = exchange.step().traffic.ddp_bytes
+    return out
+
+
+def test_ddp_baseline_counts_each_gradient_in_its_own_dtype(tmp_path: Path) -> None:
+    n = 128 * 64 + 40
+    for r in run_workers(_ddp_bytes_by_dtype, 2, tmp_path):
+        assert r["torch.float32"] == 2 * (2 - 1) / 2 * 4 * n
+        assert r["torch.bfloat16"] == r["torch.float16"] == 2 * (2 - 1) / 2 * 2 * n

@@ -47,3 +47,25 @@ def test_single_process_communicator_is_identity_and_recorded() -> None:
     assert comm.ledger.total_sent_bytes == 0
     with pytest.raises(ValueError, match="uint8"):
         comm.all_gather_bytes(torch.ones(2), "t")
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (0, "0 B"), (1, "1 B"), (999, "999 B"), (999.4, "999 B"), (999.6, "1.0 kB"), (1000, "1.0 kB"),
+        (62425, "62.4 kB"), (62425.0, "62.4 kB"), (999_949, "999.9 kB"), (999_960, "1.0 MB"), (1.5e6, "1.5 MB"),
+        (2.34e9, "2.3 GB"), (7.5e12, "7.5 TB"), (3e15, "3000.0 TB"),
+    ],
+)
+def test_human_bytes_uses_decimal_si_units(nbytes: float, text: str) -> None:
+    from demo_lightning.comm.ledger import human_bytes
+
+    assert human_bytes(nbytes) == text
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "62425", None])
+def test_human_bytes_rejects_what_is_not_a_byte_count(bad: object) -> None:
+    from demo_lightning.comm.ledger import human_bytes
+
+    with pytest.raises(ValueError, match="byte count"):
+        human_bytes(bad)  # type: ignore[arg-type]

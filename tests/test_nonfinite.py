@@ -229,7 +229,8 @@ def _check_skipped_step(ranks: list[dict[str, Any]], s: int, nan_rank: int, loss
         assert r["skipped"] == [t == s for t in range(n)], rank
         assert r["skipped_steps"] == 1
         assert [c["guard/skipped_steps"] for c in r["comm"]] == [0.0] * s + [1.0] * (n - s)
-        assert r["comm"][s]["comm/bytes_sent_per_step"] == 1.0  # only the guard's byte moved in the skipped step
+        # only the guard moved in the skipped step: its flag byte and the exchange's 8-byte plan digest
+        assert r["comm"][s]["comm/bytes_sent_per_step"] == 9.0
         # Lightning still counts the skipped step, and its step-interval LR scheduler steps
         assert r["global_steps"] == list(range(1, n + 1))
         assert r["lrs"][s] != r["lrs"][s - 1]

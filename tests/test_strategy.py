@@ -192,9 +192,13 @@ def test_desloc_fit_syncs_on_schedule_and_resumes_between_syncs_bitwise(tmp_path
             assert a["exp_avg"] == b["exp_avg"], t
         if t % K_V == 0:
             assert a["exp_avg_sq"] == b["exp_avg_sq"], t
-    assert half[0]["params"]["model.tok.weight"].ne(half[1]["params"]["model.tok.weight"]).any()
+    # the fit ended between syncs: the final sync left both ranks on the average (each rank's own
+    # replica went into the checkpoint, which is why the resumed run below continues bitwise)
+    for name, tensor in half[0]["params"].items():
+        assert torch.equal(tensor, half[1]["params"][name]), name
     total = full[0]["global_step"]
-    assert full[0]["syncs"] == [{"params": total // K_X, "state/exp_avg": total // K_U, "state/exp_avg_sq": total // K_V}]
+    final = {"final": 1} if total % K_X else {}
+    assert full[0]["syncs"] == [{"params": total // K_X, "state/exp_avg": total // K_U, "state/exp_avg_sq": total // K_V, **final}]
     for rank in range(2):
         f, r = full[rank], resumed[rank]
         for name, tensor in f["params"].items():
@@ -257,3 +261,109 @@ def test_desloc_with_every_period_one_matches_lightning_ddp_in_float64(tmp_path:
         assert tensor.dtype == torch.float64
         torch.testing.assert_close(desloc[0]["params"][name], tensor, rtol=1e-9, atol=1e-11)
         torch.testing.assert_close(desloc[1]["params"][name], tensor, rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------- gradient clipping (issue 13)
+class _ClipProbe(pl.Callback):
+    """Records each step's raw gradients (after backward), what the exchange's momentum receives
+    (``p.grad`` when ``DeMoExchange.step`` starts) and the parameters after every step."""
+
+    def __init__(self) -> None:
+        self.raw: list[list[torch.Tensor]] = []
+        self.entering: list[list[torch.Tensor]] = []
+        self.params: list[list[torch.Tensor]] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.params.append([p.detach().clone() for p in pl_module.parameters()])
+        for exchange in getattr(trainer.strategy, "exchanges", []):
+            original = exchange.step
+
+            def step(*args: Any, _original: Any = original, _ex: Any = exchange, **kwargs: Any) -> Any:
+                self.entering.append([p.grad.detach().clone() for p in _ex.parameters()])
+                return _original(*args, **kwargs)
+
+            exchange.step = step
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.raw.append([p.grad.detach().clone() for p in pl_module.parameters()])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.params.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_under_demo_clips_the_local_gradient_not_the_shared_update(algorithm: str) -> None:
+    lr, clip = 1e-2, 0.05
+    probe = _ClipProbe()
+    strategy = DeMoStrategy(topk=8, dense_below=100, update="sign")
+    trainer = _trainer(strategy=strategy, gradient_clip_val=clip, gradient_clip_algorithm=algorithm, callbacks=[probe])
+    trainer.fit(_Classifier("sgd"), _loader())
+    assert len(probe.entering) == len(probe.raw) == 4
+    for raw, entering in zip(probe.raw, probe.entering):
+        expected = [g.clone() for g in raw]
+        if algorithm == "norm":
+            assert torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in raw])) > clip  # clipping bites
+            torch.nn.utils.clip_grad_norm_(_as_params(expected), clip)
+        else:
+            torch.nn.utils.clip_grad_value_(_as_params(expected), clip)
+        for want, got in zip(expected, entering):  # the momentum receives the clipped local gradient
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    # the shared update is sign(Q), unclipped: every coordinate moves by exactly lr (or not at all)
+    moved = 0
+    for before, after in zip(probe.params, probe.params[1:]):
+        for a, b in zip(before, after):
+            step = (b - a).abs()
+            assert torch.all((step == 0) | torch.isclose(step, torch.full_like(step, lr), rtol=1e-3, atol=0)), step.max()
+            moved += int((step > 0).sum())
+    assert moved > 0
+
+
+def _as_params(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g
+        params.append(p)
+    return params
+
+
+# ---------------------------------------------------------------- 0-D parameters, final sync (issue 13)
+class _Gated(_Classifier):
+    """A learnable scalar registered on the LightningModule itself: the first of ``parameters()``."""
+
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__(optimizer)
+        self.gate = torch.nn.Parameter(torch.tensor(1.0))
+        self.bias_1d = torch.nn.Parameter(torch.zeros(4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.gate * self.net(x) + self.bias_1d, y)
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+@pytest.mark.parametrize("which", ["desloc", "demo+desloc"])
+def test_a_learnable_scalar_first_in_the_module_trains_under_desloc_and_the_combination(which: str) -> None:
+    from demo_lightning import DesLocStrategy
+
+    model = _Gated("adamw")
+    assert next(model.parameters()) is model.gate and model.gate.dim() == 0
+    if which == "desloc":
+        strategy: Any = DesLocStrategy(param_sync_every=2)
+    else:
+        strategy = DeMoStrategy(update="raw", dense_below=100, param_sync_every=2, state_sync_every={"exp_avg": 2, "exp_avg_sq": 4})
+    trainer = _trainer(strategy=strategy, max_steps=4)
+    trainer.fit(model, _loader())
+    averager = trainer.strategy.averagers[0]
+    assert averager.stats.syncs["params"] == 2 and set(averager.state_periods) == {"exp_avg", "exp_avg_sq"}
+    assert float(model.gate) != 1.0  # the scalar trained
+
+
+def test_desloc_fit_ends_with_every_rank_on_the_averaged_model(tmp_path: Path) -> None:
+    ranks = _fit(tmp_path, *DESLOC)
+    assert ranks[0]["global_step"] % K_X != 0, "the fit must end between syncs"
+    assert ranks[0]["param_hashes"][-1] != ranks[1]["param_hashes"][-1]  # the last step left the replicas apart
+    for name, tensor in ranks[0]["params"].items():
+        assert torch.equal(tensor, ranks[1]["params"][name]), name
+    assert ranks[0]["syncs"][0]["final"] == 1

@@ -14,8 +14,11 @@ Tensors with fewer than ``dense_below`` elements skip the codec: ``mean`` is an 
 
 Determinism: ranks' contributions are summed in rank order 0..W-1 into a dense coefficient buffer
 (positions within a tile are distinct, so ``scatter_add_`` never collides), which makes every
-replica compute bitwise the same ``mean``; with identical inputs on W workers the mean equals a
-single worker's bitwise (``(a + a) / 2 == a``).
+replica compute bitwise the same ``mean``. With identical inputs on W workers the mean equals a
+single worker's bitwise only for W = 1, 2 or 4 (``(a + a) / 2 == a``, and ``(((a + a) + a) + a) / 4
+== a`` for every float, checked over all fp32 significands): for other W the rounded partial sums
+``3a``, ``5a``, ... leave ``sum / W`` an ulp off for many values (fp32: ``(0.9 + 0.9 + 0.9) / 3 !=
+0.9``; eight copies of 0.1 summed in order and divided by 8 are not 0.1 either).
 
 Performance: tiles of the same shape from all tensors are transformed together (one GEMM plus one
 batched matmul per family); one inverse transform serves ``sent`` and ``mean``; each bucket of up to
@@ -57,6 +60,7 @@ from demo_lightning.codec import (
     unpack_segments,
     validate_strength,
 )
+from demo_lightning.codec.packing import saturate
 from demo_lightning.comm import Communicator
 
 __all__ = ["DEFAULT_TOPK", "CodecConfig", "CompressedMean", "TensorCodec", "TensorEnergy", "compute_dtype"]
@@ -390,11 +394,12 @@ class CompressedMean:
         coefficients = 0
         for bucket in plan.buckets:
             if cfg.all_reduces:
-                wire = _WIRE_DTYPES[cfg.value_format]
                 parts = []
                 for run in bucket:
                     positions, values = (x[run.rows] for x in selected[run.family])
-                    narrow = values.to(wire)
+                    # saturate so that the SUM of W values in the wire format stays finite (each
+                    # |value| <= about max / W; the excess stays in the sender's residual)
+                    narrow = saturate(values, cfg.value_format, world)
                     self._sent_rows(decode, run).scatter_(1, positions, narrow.to(values.dtype))
                     parts.append(narrow.reshape(-1))
                 flat = torch.cat(parts)

@@ -30,12 +30,15 @@ Differences from the reference implementation (bloc97/DeMo), each deliberate:
 * collectives are bucketed: one all-gather per bucket of up to ``bucket_cap_mb`` megabytes.
 
 Failure behaviour: a collective that cannot complete raises on every rank after the process
-group's timeout. The parameter fingerprint is compared across ranks whenever the set of trainable
-tensors changes; a mismatch raises ``RuntimeError`` on every rank before any exchange.
+group's timeout. Every step, before any data moves, every rank's plan digest (trainable tensors and
+their codec settings) is compared across ranks (:meth:`DeMoExchange.check_plan`, or the strategy's
+guard, which carries it): a rank whose tensors or settings changed alone makes every rank raise the
+same ``RuntimeError``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -52,7 +55,7 @@ from demo_lightning.algorithms.compressed_mean import (
     TensorEnergy,
     compute_dtype,
 )
-from demo_lightning.comm import Communicator, StepTraffic, ddp_bytes_per_step
+from demo_lightning.comm import Communicator, StepTraffic, ddp_bytes_for
 
 __all__ = [
     "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorSettings",
@@ -221,6 +224,8 @@ class DeMoExchange:
         self._hidden: dict[Tensor, Tensor] = {}
         self._settings: dict[Tensor, TensorSettings] = {}
         self._want_curve = False
+        self._digest_key: Optional[tuple] = None
+        self._digest = 0
         self._hooks = [
             optimizer.register_step_pre_hook(self._hide_state),
             optimizer.register_step_post_hook(self._restore_state),
@@ -334,13 +339,49 @@ class DeMoExchange:
             h.remove()
         self._hooks = []
 
+    # ------------------------------------------------------------------ plan agreement
+    def plan_digest(self) -> int:
+        """A 64-bit digest of what decides this rank's collectives: the trainable tensors (order,
+        shapes, dtypes) and their codec settings. Local (no communication); recomputed only when
+        they change. Equal on every rank is what :meth:`check_plan` checks."""
+        params = self.parameters()
+        key = tuple((tuple(p.shape), p.dtype, self._settings[p].codec if p in self._settings else None) for p in params)
+        if key != self._digest_key:
+            text = repr([(shape, str(dtype), repr(codec)) for shape, dtype, codec in key]).encode()
+            self._digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+            self._digest_key = key
+        return self._digest
+
+    def check_plan(self) -> None:
+        """Raise ``RuntimeError`` on every rank unless every rank's :meth:`plan_digest` is the same.
+
+        A collective (a 16-byte all-gather, counted in the ledger's totals under ``demo/plan``, not
+        in the step's traffic): every rank must call it at the same point. :meth:`step` runs it at
+        every step unless the caller agreed on the digests already (the strategies carry the digest
+        in their per-step non-finite guard, so they pay no extra collective).
+        """
+        self.comm.check_same(
+            [len(self.parameters()), self.plan_digest()], "demo/plan",
+            "the list of tensors to exchange (count, shapes, dtypes) or their per-tensor codec settings (topk, "
+            "keep_ratio, chunk, dense: set the same TensorSettings on every rank at the same step)",
+        )
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self) -> ExchangeStats:
-        """Run one exchange: update momenta, share their fast components, write ``p.grad``."""
+    def step(self, plan_agreed: bool = False) -> ExchangeStats:
+        """Run one exchange: update momenta, share their fast components, write ``p.grad``.
+
+        Args:
+            plan_agreed: the caller already established, at this step and on every rank, that every
+                rank's :meth:`plan_digest` is equal; otherwise :meth:`check_plan` runs first, so a
+                rank whose tensors or settings changed alone makes every rank raise the same
+                ``RuntimeError`` instead of running mismatched collectives.
+        """
         start = time.perf_counter()
         cfg = self.config
         self.restore_state()
+        if not plan_agreed:
+            self.check_plan()
         params = self.parameters()
         ledger = self.comm.ledger
         overrides = [self._settings[p].codec if p in self._settings else None for p in params]
@@ -364,7 +405,7 @@ class DeMoExchange:
                     p.grad.copy_(update)
         finally:
             n_trainable = sum(p.numel() for p in params)
-            traffic = ledger.end_step(ddp_bytes_per_step(n_trainable, self.comm.world_size))
+            traffic = ledger.end_step(ddp_bytes_for(params, self.comm.world_size))
         seconds = time.perf_counter() - start
         comm_seconds = self.comm.seconds - comm_before
         st = self.stats

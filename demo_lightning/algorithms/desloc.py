@@ -119,6 +119,10 @@ class DesLocConfig:
         compress_params: send parameter changes through the DeMo codec (see the module docstring).
         codec: codec settings for ``compress_params``.
         bucket_cap_mb: largest payload of one all-reduce.
+        final_sync: average parameters and buffers once more when training ends (the strategies call
+            :meth:`DesLocAverager.final_sync` from ``on_train_end``), so every rank holds, saves and
+            evaluates the averaged model rather than its own replica up to ``K_x - 1`` steps past the
+            last average.
     """
 
     param_sync_every: Optional[int] = 16
@@ -128,6 +132,7 @@ class DesLocConfig:
     compress_params: bool = False
     codec: CodecConfig = field(default_factory=CodecConfig)
     bucket_cap_mb: float = 25.0
+    final_sync: bool = True
 
     def __post_init__(self) -> None:
         if self.param_sync_every is not None:
@@ -144,7 +149,7 @@ class DesLocConfig:
                 _check_period(f"state_sync_every[{key!r}]", period)
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm must be > 0 (or None), got {self.clip_grad_norm!r}")
-        for name in ("sync_buffers", "compress_params"):
+        for name in ("sync_buffers", "compress_params", "final_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compress_params and self.param_sync_every is None:
@@ -180,7 +185,11 @@ class DesLocAverager:
 
     Call :meth:`before_step` before ``optimizer.step()`` (gradient clipping, if configured) and
     :meth:`after_step` after it (averaging when due), or :meth:`attach` to do both through the
-    optimizer's step hooks.
+    optimizer's step hooks. Call :meth:`final_sync` once when training ends (every rank), so the
+    model every rank holds, saves and evaluates is the averaged one.
+
+    Every method that communicates must be called on every rank at the same point: the schedule
+    is a function of the local step count, which advances identically everywhere.
 
     Args:
         optimizer: the worker's optimizer.
@@ -203,10 +212,14 @@ class DesLocAverager:
         self.step_count = 0
         self.stats = SyncStats()
         self._periods: Optional[dict[str, int]] = None
-        self._layout_key: Optional[tuple] = None
+        self._adopt_into_empty = False
         self._codec = CompressedMean(self.config.codec, self.comm) if self.config.compress_params else None
-        self._anchor: list[Tensor] = []
-        self._residual: list[Tensor] = []
+        # compressed sync: per parameter, the last synced point and this worker's unsent change
+        self._anchor: dict[Tensor, Tensor] = {}
+        self._residual: dict[Tensor, Tensor] = {}
+        self._synced: list[Tensor] = self.parameters()  # the trainable set of the last parameter sync
+        self._params_synced_at: Optional[int] = None
+        self._local_replica: Optional[tuple[list[Tensor], list[Tensor]]] = None
         if self._codec is not None:
             self.reset_anchor()
         self._hooks: list[Any] = []
@@ -218,8 +231,10 @@ class DesLocAverager:
         the initial broadcast); every rank must call it at the same point.
         """
         params = self.parameters()
-        self._anchor = [p.detach().clone() for p in params]
-        self._residual = [torch.zeros_like(p) for p in params]
+        self._anchor = {p: p.detach().clone() for p in params}
+        self._residual = {p: torch.zeros_like(p) for p in params}
+        self._synced = params
+        self._local_replica = None
 
     # ------------------------------------------------------------------ wiring
     def parameters(self) -> list[Tensor]:
@@ -256,20 +271,23 @@ class DesLocAverager:
         return names
 
     # ------------------------------------------------------------------ state keys
-    def _state_tensors(self, key: str) -> tuple[list[Tensor], list[Optional[Tensor]]]:
-        """``(values to average, write-back targets)`` of ``key`` for every trainable parameter.
+    def _state_tensors(self, key: str) -> tuple[list[Tensor], list[Optional[Tensor]], list[bool]]:
+        """``(values to average, write-back targets, held here)`` of ``key`` for every trainable parameter.
 
         Values travel in the parameter's compute dtype (fp32 for half-precision parameters). A
         parameter that has no such state on this worker (it never had a gradient here) contributes
-        zeros and receives nothing, so every worker hands the collectives the same sizes and dtypes.
+        zeros and is not counted in the mean, so every worker hands the collectives the same sizes
+        and dtypes and the mean is taken over the workers that hold the state.
         """
         values: list[Tensor] = []
         targets: list[Optional[Tensor]] = []
+        held: list[bool] = []
         for p in self.parameters():
             value = self.optimizer.state.get(p, {}).get(key)
             if value is None:
                 values.append(torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device=p.device))
                 targets.append(None)
+                held.append(False)
                 continue
             if value.shape != p.shape:
                 raise ValueError(
@@ -278,7 +296,8 @@ class DesLocAverager:
                 )
             values.append(value.to(compute_dtype(p.dtype)))
             targets.append(value)
-        return values, targets
+            held.append(True)
+        return values, targets, held
 
     @property
     def state_periods(self) -> dict[str, int]:
@@ -286,44 +305,68 @@ class DesLocAverager:
         return dict(self._periods) if self._periods is not None else self.config.state_periods
 
     def _resolve_state_keys(self) -> None:
-        """Validate named keys against the optimizer's state, once, identically on every rank."""
+        """Decide, once and identically on every rank, which state keys are averaged.
+
+        Every rank reports, per configured key, whether its optimizer keeps it (for any
+        parameter), and whether any parameter's value is not a floating-point tensor shaped like
+        its parameter (0-D parameters have 0-D states: those are fine); one all-gather of a byte
+        per key. A key is averaged if some rank keeps it; a key named in ``state_sync_every`` that
+        no rank keeps, or one malformed anywhere, raises ``ValueError`` on every rank.
+        """
         if self._periods is not None:
             return
-        present: dict[str, Any] = {}
+        configured = sorted(self.config.state_periods.items())
+        fingerprint = [len(configured)] + [zlib.crc32(f"{k}={v}".encode()) for k, v in configured]
+        self.comm.check_same(fingerprint, "desloc/keys", "the optimizer-state keys and periods to average (state_sync_every)")
+        present: set[str] = set()
+        malformed: dict[str, str] = {}
         for p in self.parameters():
             for key, value in self.optimizer.state.get(p, {}).items():
-                present.setdefault(key, value)
-        explicit = self.config.state_sync_every is not None
+                present.add(key)
+                if key in malformed or key not in self.config.state_periods:
+                    continue
+                if not isinstance(value, Tensor) or not value.is_floating_point():
+                    malformed[key] = f"a {type(value).__name__ if not isinstance(value, Tensor) else value.dtype}"
+                elif value.shape != p.shape:
+                    malformed[key] = f"shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}"
+        codes = [2 if key in malformed else int(key in present) for key, _ in configured]
+        extra = int(bool(present - set(self.config.state_periods)))  # keys kept beside the averaged ones (a step counter)
+        mine = torch.tensor([*codes, extra], dtype=torch.uint8, device=self.comm.device)
+        rows = [g.cpu().tolist() for g in self.comm.all_gather_bytes(mine, "desloc/keys", per_step=False)]
+        optimizer = type(self.optimizer).__name__
         periods: dict[str, int] = {}
-        for key, period in self.config.state_periods.items():
-            value = present.get(key)
-            if value is None:
-                if explicit:
+        for index, (key, period) in enumerate(configured):
+            bad = [rank for rank, row in enumerate(rows) if row[index] == 2]
+            if bad:
+                detail = f" (here: {malformed[key]})" if key in malformed else ""
+                raise ValueError(
+                    f"state_sync_every[{key!r}]: {optimizer}'s {key!r} is not a floating-point tensor shaped like its "
+                    f"parameter on rank(s) {bad}{detail}, so it cannot be averaged; remove it"
+                )
+            if not any(row[index] for row in rows):
+                if self.config.state_sync_every is not None:
                     raise ValueError(
-                        f"state_sync_every names {key!r}, but {type(self.optimizer).__name__} keeps only "
-                        f"{sorted(present) or 'no state'}; name one of those keys"
+                        f"state_sync_every names {key!r}, but {optimizer} keeps only {sorted(present) or 'no state'}; "
+                        "name one of those keys (no rank's optimizer keeps it)"
                     )
                 continue
-            if not (isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0):
-                raise ValueError(
-                    f"state_sync_every[{key!r}]: {type(self.optimizer).__name__}'s {key!r} is not a floating-point "
-                    "tensor per parameter, so it cannot be averaged; remove it"
-                )
             periods[key] = period
-        fingerprint = [len(periods)] + [zlib.crc32(f"{k}={v}".encode()) for k, v in sorted(periods.items())]
-        self.comm.check_same(fingerprint, "desloc/keys", "the optimizer-state keys to average")
+        self._adopt_into_empty = not any(row[-1] for row in rows)
         self._periods = periods
 
     # ------------------------------------------------------------------ averaging
     @torch.no_grad()
     def after_step(self) -> list[str]:
         """Count one local step and average what is due; returns the quantities averaged."""
+        self._local_replica = None
         self._resolve_state_keys()
         names = self.due()
         if names:
             self._sync(names)
         self.step_count += 1
         self.stats.steps = self.step_count
+        if "params" in names:
+            self._params_synced_at = self.step_count
         for name in names:
             self.stats.syncs[name] = self.stats.syncs.get(name, 0) + 1
         return names
@@ -333,43 +376,124 @@ class DesLocAverager:
         self._resolve_state_keys()
         names = names if names is not None else ["params", *(f"state/{k}" for k in self.state_periods)]
         self._sync(names)
+        if "params" in names:
+            self._params_synced_at = self.step_count
         return names
 
-    def _check_layout(self) -> None:
-        """Compare the averaged tensors' layout across ranks whenever it changes (one tiny all-gather)."""
-        tensors = [*self.parameters(), *self.buffers]
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        if key != self._layout_key:
-            fingerprint = [len(tensors)] + [v for t in tensors for v in (t.numel(), t.dim(), zlib.crc32(str(t.dtype).encode()))]
-            self.comm.check_same(fingerprint, "desloc/layout", "the parameters and buffers to average")
-            self._layout_key = key
+    @torch.no_grad()
+    def final_sync(self) -> bool:
+        """Average the parameters (exactly, in their own dtype) and buffers once more when training ends.
+
+        Between syncs each replica is up to ``K_x - 1`` local steps past the last average; this makes
+        every rank hold the averaged model for checkpoints' weights, validation, test and export.
+        Skipped (returns ``False``) when parameters are not averaged at all (``param_sync_every=None``),
+        when nothing was trained, when the last local step ended on a parameter sync, or when it
+        already ran since that step. Each rank's replica as it was before this average is kept in
+        :meth:`local_replica` until the next local step, so a checkpoint can still resume every
+        rank's own trajectory bitwise; the schedule, optimizer state and (compressed sync) anchor and
+        residual are left as they were. Recorded under ``desloc/final/*``, outside any step's traffic.
+        Every rank must call it.
+        """
+        if (
+            self.config.param_sync_every is None
+            or self.step_count == 0
+            or self._params_synced_at == self.step_count
+            or self._local_replica is not None
+        ):
+            return False
+        params = self.parameters()
+        self._check_layout(params, [])
+        writes: list[tuple[list[Optional[Tensor]], list[Tensor]]] = [(list(params), self._mean(params, "desloc/final/params"))]
+        if self.buffers:
+            writes.append((self.buffers, self._mean(self.buffers, "desloc/final/buffers")))
+        replica = ([p.detach().clone() for p in params], [b.detach().clone() for b in self.buffers])
+        self._write(writes)
+        self._local_replica = replica
+        self.stats.syncs["final"] = self.stats.syncs.get("final", 0) + 1
+        return True
+
+    def local_replica(self) -> tuple[list[Tensor], list[Tensor]]:
+        """This rank's own ``(parameters, buffers)``: as they were before :meth:`final_sync` if it
+        ran since the last local step, else the current ones (the tensors themselves)."""
+        if self._local_replica is not None:
+            return self._local_replica
+        return [p.detach() for p in self.parameters()], [b.detach() for b in self.buffers]
+
+    def _check_layout(self, params: list[Tensor], changes: list[int]) -> None:
+        """Compare the averaged tensors' layout across ranks (one 16-byte all-gather, at every sync).
+
+        Every rank runs it at every sync, whatever changed locally, so a rank whose trainable set
+        changed alone still meets its peers in the same collective and every rank raises the same
+        ``RuntimeError`` (a check only on the ranks that changed would leave the collectives out of
+        step). ``changes`` adds the counts of tensors that joined or left the trainable set.
+        """
+        tensors = [*params, *self.buffers]
+        fingerprint = [len(tensors)] + [v for t in tensors for v in (t.numel(), t.dim(), zlib.crc32(str(t.dtype).encode()))]
+        self.comm.check_same(fingerprint + changes, "desloc/layout", "the parameters and buffers to average")
 
     @torch.no_grad()
     def _sync(self, names: list[str]) -> None:
-        self._check_layout()
+        params = self.parameters()
+        current = set(params)
+        left = [p for p in self._synced if p not in current] if "params" in names else []
+        joined = [p for p in params if p not in self._anchor] if "params" in names and self._codec is not None else []
+        self._check_layout(params, [len(left), len(joined)])
         writes: list[tuple[list[Optional[Tensor]], list[Tensor]]] = []
+        adoptions: list[tuple[Tensor, str, Tensor]] = []
+        new_codec_state: Optional[tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]] = None
         for name in names:
             if name == "params":
-                params = self.parameters()
+                if left:  # frozen since the last sync: one last exact average, so replicas stay identical
+                    writes.append((list(left), self._mean(left, "desloc/params_left")))
                 if self._codec is not None:
-                    writes += self._compressed_param_sync(params)
+                    pairs, new_codec_state = self._compressed_param_sync(params, joined)
+                    writes += pairs
                 else:
-                    writes.append((params, self._mean(params, "desloc/params")))
+                    writes.append((list(params), self._mean(params, "desloc/params")))
                 if self.buffers:
                     writes.append((self.buffers, self._mean(self.buffers, "desloc/buffers")))
             else:
                 key = name.split("/", 1)[1]
-                values, targets = self._state_tensors(key)
-                writes.append((targets, self._mean(values, f"desloc/state/{key}")))
+                values, targets, held = self._state_tensors(key)
+                means = self._mean(values, f"desloc/state/{key}", held=held)
+                writes.append((targets, means))
+                adoptions += self._adoptions(key, params, held, means)
+        self._write(writes)
+        for p, key, mean in adoptions:
+            self.optimizer.state[p][key] = mean.to(p.dtype).clone()
+        if "params" in names:
+            self._synced = params
+            if new_codec_state is not None:
+                self._anchor, self._residual = new_codec_state
+
+    @staticmethod
+    def _write(writes: list[tuple[list[Optional[Tensor]], list[Tensor]]]) -> None:
         for targets, means in writes:  # only after every collective completed
             for target, mean in zip(targets, means):
                 if target is not None:
                     target.copy_(mean)
 
-    def _mean(self, tensors: list[Tensor], tag: str) -> list[Tensor]:
+    def _adoptions(self, key: str, params: list[Tensor], held: list[bool], means: list[Tensor]) -> list[tuple[Tensor, str, Tensor]]:
+        """Where ranks without ``key`` for a parameter take the holders' mean: ``(param, key, mean)``.
+
+        Where this rank's optimizer keeps other state for the parameter, the missing key is added.
+        Where it keeps nothing for the parameter yet, the mean is adopted only if no rank's optimizer
+        keeps any key beside the averaged ones: SGD's ``momentum_buffer`` is its whole state, but
+        Adam's moments without its ``step`` counter would break its next step, so Adam-style states
+        start from zero at this rank's first gradient for the parameter, as the optimizer itself does.
+        """
+        return [
+            (p, key, mean) for p, h, mean in zip(params, held, means)
+            if not h and mean is not _NOBODY and (self.optimizer.state.get(p) or self._adopt_into_empty)
+        ]
+
+    def _mean(self, tensors: list[Tensor], tag: str, held: Optional[list[bool]] = None) -> list[Tensor]:
         """Exact mean over workers, as new tensors (the inputs are not modified).
 
         One all-reduce per dtype/device group and ``bucket_cap_mb``, in the tensors' own dtype.
+        With ``held`` (states), each bucket carries one count per tensor (``1`` where this rank
+        holds it) in the same all-reduce, and each mean is the sum over the holders divided by
+        their number; a tensor no rank holds comes back as :data:`_NOBODY`.
         """
         world = self.comm.world_size
         cap = int(self.config.bucket_cap_mb * 1024 * 1024)
@@ -381,30 +505,65 @@ class DesLocAverager:
                 group.append([])
             group[-1].append(i)
         out: list[Optional[Tensor]] = [None] * len(tensors)
-        for group in buckets.values():
+        for (dtype, device), group in buckets.items():
             for bucket in group:
-                flat = torch.cat([tensors[j].detach().reshape(-1) for j in bucket])
+                parts = [tensors[j].detach().reshape(-1) for j in bucket]
+                if held is not None:
+                    parts.append(torch.tensor([float(held[j]) for j in bucket], dtype=dtype, device=device))
+                flat = torch.cat(parts)
                 self.comm.all_reduce_sum_(flat, tag)
-                flat.div_(world)
-                for j, part in zip(bucket, torch.split(flat, [tensors[j].numel() for j in bucket])):
+                sizes = [tensors[j].numel() for j in bucket]
+                if held is None:
+                    flat.div_(world)
+                    divisors = None
+                else:
+                    divisors = flat[sum(sizes):].cpu().tolist()  # holders per tensor (a host read per state sync)
+                for n, (j, part) in enumerate(zip(bucket, torch.split(flat[: sum(sizes)], sizes))):
+                    if divisors is not None:
+                        if divisors[n] == 0:
+                            out[j] = _NOBODY
+                            continue
+                        part = part.div_(divisors[n])
                     out[j] = part.view_as(tensors[j])
         return [t for t in out if t is not None]
 
-    def _compressed_param_sync(self, params: list[Tensor]) -> list[tuple[list[Optional[Tensor]], list[Tensor]]]:
+    def _compressed_param_sync(
+        self, params: list[Tensor], joined: list[Tensor]
+    ) -> tuple[list[tuple[list[Optional[Tensor]], list[Tensor]]], tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]]:
+        """The compressed sync of the parameters that have an anchor; parameters that joined the
+        trainable set since the last sync (a new param group, an unfrozen layer) are averaged
+        exactly once and take that mean as their fresh anchor, with an empty residual."""
         assert self._codec is not None
-        deltas = [p.detach() - a + e for p, a, e in zip(params, self._anchor, self._residual)]
-        means, sent = self._codec(deltas, "desloc/params_compressed")
-        new_anchor = [a + m.to(a.dtype) for a, m in zip(self._anchor, means)]
-        new_residual = [d - s.to(d.dtype) for d, s in zip(deltas, sent)]
-        return [(list(params), new_anchor), (list(self._anchor), new_anchor), (list(self._residual), new_residual)]
+        joined_set = set(joined)
+        old = [p for p in params if p not in joined_set]
+        writes: list[tuple[list[Optional[Tensor]], list[Tensor]]] = []
+        anchor: dict[Tensor, Tensor] = {}
+        residual: dict[Tensor, Tensor] = {}
+        if old:
+            deltas = [p.detach() - self._anchor[p] + self._residual[p] for p in old]
+            means, sent = self._codec(deltas, "desloc/params_compressed")
+            for p, d, m, s in zip(old, deltas, means, sent):
+                anchor[p] = self._anchor[p] + m.to(p.dtype)
+                residual[p] = d - s.to(d.dtype)
+            writes.append((list(old), [anchor[p] for p in old]))
+        if joined:
+            for p, mean in zip(joined, self._mean(joined, "desloc/params_joined")):
+                anchor[p] = mean.clone()
+                residual[p] = torch.zeros_like(p)
+            writes.append((list(joined), [anchor[p] for p in joined]))
+        return writes, ({p: anchor[p] for p in params}, {p: residual[p] for p in params})
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Schedule position (and, with compressed sync, this worker's anchor and residual)."""
+        """Schedule position (and, with compressed sync, this worker's anchor and residual, listed in
+        the order of :meth:`parameters`)."""
         state: dict[str, Any] = {"step_count": self.step_count, "syncs": dict(self.stats.syncs)}
-        if self._anchor:
-            state["anchor"] = [a.clone() for a in self._anchor]
-            state["residual"] = [e.clone() for e in self._residual]
+        if self._codec is not None:
+            params = self.parameters()
+            state["anchor"] = [self._anchor.get(p, p.detach()).clone() for p in params]
+            state["residual"] = [self._residual.get(p, torch.zeros_like(p)).clone() for p in params]
+        if self._params_synced_at is not None:
+            state["params_synced_at"] = self._params_synced_at
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -427,9 +586,15 @@ class DesLocAverager:
         self.step_count = int(state["step_count"])
         self.stats.steps = self.step_count
         self.stats.syncs = dict(state.get("syncs", {}))
-        if "anchor" in state:
-            self._anchor = [a.to(p.device, p.dtype).clone() for a, p in zip(state["anchor"], params)]
-            self._residual = [e.to(p.device, p.dtype).clone() for e, p in zip(state["residual"], params)]
+        synced_at = state.get("params_synced_at")
+        self._params_synced_at = None if synced_at is None else int(synced_at)
+        self._synced = params
+        self._local_replica = None
+        if "anchor" in state and self._codec is not None:
+            self._anchor = {p: a.to(p.device, p.dtype).clone() for a, p in zip(state["anchor"], params)}
+            self._residual = {p: e.to(p.device, p.dtype).clone() for e, p in zip(state["residual"], params)}
         elif self._codec is not None:
             self.reset_anchor()
 
+
+_NOBODY = torch.empty(0)  # the "mean" of a state no rank holds

@@ -10,9 +10,12 @@ out of step and the job hangs. So, once per optimizer step and before any exchan
     skip   = any(bits)                                                       # same on every rank
 
 The collective is an all-gather of one ``uint8`` per rank through the :class:`Communicator`, so it
-is in the byte ledger (tag ``guard/nonfinite``: ``W - 1`` bytes per worker per step on a ring),
+is in the byte ledger (tag ``guard/nonfinite``: ``W - 1`` bytes per worker per step on a ring; ``9 (W - 1)``
+when it also carries the exchange's 8-byte plan digest, which the DeMo strategy does),
 and it tells every rank *which* ranks saw what, for the error message. It must be called on every
-rank at every step (also when nothing is wrong), which keeps the collectives aligned.
+rank at every step (also when nothing is wrong), which keeps the collectives aligned. The byte is
+computed on the communicator's device (``Communicator.device``: the GPU under NCCL) by reductions
+that stay there, and the gathered bytes are read back once: the step's only host synchronisation.
 
 No Lightning needed: call :func:`gather_nonfinite` (or :func:`agree_nonfinite`) after
 ``backward()`` and skip ``optimizer.step()`` (and any exchange) when it reports a problem.
@@ -76,18 +79,40 @@ def _values(t: Tensor) -> Tensor:
     return t.coalesce().values() if t.is_sparse else t
 
 
-def _nan_inf_bits(tensors: Iterable[Tensor]) -> int:
-    """NAN / INF bits of tensors known to hold a non-finite value (the rare path: syncs per tensor)."""
-    bits = 0
+def _any_nan_inf(tensors: Iterable[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(any NaN, any inf)`` over ``tensors`` as 0-d bool tensors on ``device``, without a host read.
+
+    Two reductions per floating-point tensor on its own device (``isnan(t).any()``, ``isinf(t).any()``),
+    OR-ed per device, then one copy per device to ``device`` (none where they already are).
+    """
+    per_device: dict[torch.device, list[Tensor]] = {}
     for t in tensors:
         v = _values(t.detach())
         if not v.is_floating_point() and not v.is_complex():
-            continue
-        if bool(torch.isnan(v).any()):
-            bits |= NAN
-        if bool(torch.isinf(v).any()):
-            bits |= INF
-    return bits
+            continue  # integers are always finite
+        per_device.setdefault(v.device, []).append(torch.stack((torch.isnan(v).any(), torch.isinf(v).any())))
+    found = torch.zeros(2, dtype=torch.bool, device=device)
+    for parts in per_device.values():
+        found |= torch.stack(parts).any(dim=0).to(device)
+    return found[0], found[1]
+
+
+def _flag_byte(params: Iterable[Tensor], loss: Any, device: torch.device) -> Tensor:
+    """This rank's flag byte (see :func:`local_nonfinite_flags`) as a one-element ``uint8`` tensor on
+    ``device``, computed without a host synchronisation (bits combined on the device with Python
+    weights, so nothing is copied from the host either)."""
+    byte = torch.zeros(1, dtype=torch.uint8, device=device)
+    parts = [(GRAD, [p.grad for p in params if p.grad is not None])]
+    if isinstance(loss, Tensor):
+        parts.append((LOSS, [loss]))
+    for where, tensors in parts:
+        nan, inf = _any_nan_inf(tensors, device)
+        byte |= (nan | inf).to(torch.uint8) * where
+        byte |= nan.to(torch.uint8) * NAN
+        byte |= inf.to(torch.uint8) * INF
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool) and not math.isfinite(float(loss)):
+        byte |= LOSS | (NAN if math.isnan(float(loss)) else INF)
+    return byte
 
 
 def local_nonfinite_flags(params: Iterable[Tensor], loss: Any = None) -> int:
@@ -99,28 +124,13 @@ def local_nonfinite_flags(params: Iterable[Tensor], loss: Any = None) -> int:
             manual-optimization closure, ...), which counts as finite.
 
     Returns:
-        0 when everything is finite. In the common case this costs one pass over the gradients and
-        one host synchronisation per device.
+        0 when everything is finite. This costs two reductions per gradient (any NaN, any inf) on
+        its device and one host read (of the byte); :func:`gather_nonfinite` reads nothing before
+        its all-gather.
     """
-    bad_by_device: dict[torch.device, Tensor] = {}
-    grads: list[Tensor] = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        grads.append(g)
-        bad = ~torch.isfinite(_values(g.detach())).all()
-        previous = bad_by_device.get(g.device)
-        bad_by_device[g.device] = bad if previous is None else previous | bad
-    bits = 0
-    if any(bool(b) for b in bad_by_device.values()):
-        bits |= GRAD | _nan_inf_bits(grads)
-    if isinstance(loss, Tensor):
-        if not bool(torch.isfinite(_values(loss.detach())).all()):
-            bits |= LOSS | _nan_inf_bits([loss])
-    elif isinstance(loss, (int, float)) and not isinstance(loss, bool) and not math.isfinite(float(loss)):
-        bits |= LOSS | (NAN if math.isnan(float(loss)) else INF)
-    return bits
+    params = list(params)
+    devices = [p.grad.device for p in params if p.grad is not None] + ([loss.device] if isinstance(loss, Tensor) else [])
+    return int(_flag_byte(params, loss, devices[0] if devices else torch.device("cpu")).item())
 
 
 @dataclass(frozen=True)
@@ -131,9 +141,15 @@ class NonFiniteFlags:
     """
 
     per_rank: tuple[int, ...]
+    digests: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return any(self.per_rank)
+
+    @property
+    def digests_agree(self) -> bool:
+        """Whether every rank sent the same plan digest (``True`` when none was sent)."""
+        return len(set(self.digests)) <= 1
 
     @property
     def ranks(self) -> list[int]:
@@ -165,7 +181,7 @@ class NonFiniteFlags:
 
 
 def gather_nonfinite(
-    params: Iterable[Tensor], loss: Any, communicator: Communicator, tag: str = GUARD_TAG
+    params: Iterable[Tensor], loss: Any, communicator: Communicator, tag: str = GUARD_TAG, digest: Optional[int] = None
 ) -> NonFiniteFlags:
     """Agree across ranks on non-finite values: one all-gather of one byte per rank (recorded under ``tag``).
 
@@ -174,23 +190,26 @@ def gather_nonfinite(
     Args:
         params: this rank's parameters (their ``.grad`` is checked; ``None`` is fine).
         loss: this rank's loss (see :func:`local_nonfinite_flags`).
-        communicator: collectives and ledger.
+        communicator: collectives and ledger; the flag byte is computed on its ``device`` (where
+            the collective needs it) and read back once, after the all-gather: the step's only host
+            synchronisation.
         tag: ledger tag of the collective.
+        digest: a signed 64-bit digest of what decides this rank's next collectives (e.g.
+            :meth:`~demo_lightning.algorithms.DeMoExchange.plan_digest`), carried in the same
+            all-gather (9 bytes per rank instead of 1) so every rank learns whether all agree without
+            a collective of its own; every rank must pass one, or none.
 
     Returns:
-        Every rank's flags, the same on every rank.
+        Every rank's flags (and digests), the same on every rank.
     """
     params = list(params)
-    bits = local_nonfinite_flags(params, loss)
-    if params:
-        device = params[0].device
-    elif isinstance(loss, Tensor):
-        device = loss.device
-    else:
-        device = torch.device("cpu")
-    flag = torch.tensor([bits], dtype=torch.uint8, device=device)
-    gathered = communicator.all_gather_bytes(flag, tag)
-    return NonFiniteFlags(tuple(int(b) for b in torch.cat(gathered).cpu().tolist()))
+    device = communicator.device  # NCCL takes no CPU tensor; the byte is computed there, nothing read back
+    header = _flag_byte(params, loss, device)
+    if digest is not None:  # torch.full: a kernel argument, no host-to-device copy
+        header = torch.cat([header, torch.full((1,), digest, dtype=torch.int64, device=device).view(torch.uint8)])
+    rows = torch.stack(communicator.all_gather_bytes(header, tag)).cpu()  # the step's one host read
+    digests = tuple(int(d) for d in rows[:, 1:].reshape(-1).clone().view(torch.int64).tolist()) if digest is not None else ()
+    return NonFiniteFlags(tuple(int(b) for b in rows[:, 0].tolist()), digests)
 
 
 def agree_nonfinite(params: Iterable[Tensor], loss: Any, communicator: Communicator, tag: str = GUARD_TAG) -> bool:

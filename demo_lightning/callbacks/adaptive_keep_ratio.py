@@ -15,6 +15,23 @@ Three rules, applied to every tensor the codec compresses (densely sent tensors 
   worker per step on the wire than the budget, every tensor's ``k`` is scaled by the largest
   common factor that fits (at least one coefficient per tile; a warning if even that exceeds).
 
+With a :class:`~demo_lightning.callbacks.LayerPolicy` on the same Trainer (in either order), its
+``keep_ratio`` / ``topk`` rules are per-tensor base ratios this callback scales, not overrides it
+drops. For a tensor ``p`` with ``tile_numel`` elements per tile, the rule's ratio ``r_p``
+(``topk / tile_numel`` for a ``topk`` rule, evaluated at the step for a scheduled one) and the
+strategy's ratio ``r_s`` (its ``keep_ratio``, or ``topk / chunk**2``: 64/4096 by default), the
+multiplier is ``m_p = r_p / r_s`` (1 without a rule) and, before the budget::
+
+    schedule:  k_p = clamp(ceil(m_p * keep_ratio(step) * tile_numel), 1, tile_numel)
+    energy:    k_p = clamp(ceil(m_p * k_energy_p), ceil(min_keep_ratio * tile_numel), floor(max_keep_ratio * tile_numel))
+
+where ``k_energy_p`` is the controller's ``k`` for ``p`` (the strategy's ``k``, bounded, until the
+first measurement). So the schedule or the controller sets the level a tensor without a rule
+keeps, and the policy keeps its tensors at their ratio relative to the strategy's: the language
+preset's attention Q/K (1/32 = 2 x 1/64) keep twice the level, its feed-forward (1/128) half.
+The composition reads :meth:`LayerPolicy.strength_at` at this callback's own step, so the order
+of the callbacks does not change any ``k``.
+
 Every rank computes the same settings at the same optimizer step (schedules from the step count,
 the controller from an all-reduced value), so exchanges never mismatch in size; a mismatch would
 still raise on every rank (the codec compares its plan across ranks when it changes).
@@ -36,6 +53,7 @@ from typing_extensions import override
 
 from demo_lightning.algorithms import DeMoExchange, TensorSettings
 from demo_lightning.callbacks.context import applied_steps, communicator_of, exchanges_of, named_trainable, total_steps
+from demo_lightning.callbacks.layer_policy import LayerPolicy
 from demo_lightning.schedules import Schedule, as_schedule
 
 __all__ = ["AdaptiveKeepRatio"]
@@ -44,7 +62,8 @@ _DEFAULT_RAMP = Schedule(kind="cosine", start=1 / 128, end=1 / 32)
 
 
 class AdaptiveKeepRatio(Callback):
-    """Adapt DeMo's keep ratio per tensor over training (see the module docstring).
+    """Adapt DeMo's keep ratio per tensor over training (see the module docstring); beside a
+    :class:`LayerPolicy` it scales each tensor's rule ratio by ``level / strategy ratio``.
 
     Args:
         keep_ratio: fraction of each tile kept, a number or a :class:`Schedule`; used when
@@ -92,6 +111,7 @@ class AdaptiveKeepRatio(Callback):
         self.planned_bytes = 0
         self._names: dict[Tensor, str] = {}
         self._exchanges: list[DeMoExchange] = []
+        self._policies: list[LayerPolicy] = []  # whose keep_ratio / topk rules this scales
         self._measured_at = -1
         self._seen_exchanges = 0
         self._warned_budget = False
@@ -112,6 +132,7 @@ class AdaptiveKeepRatio(Callback):
                 "has no DeMo exchange: use Trainer(strategy='demo') or remove the callback"
             )
         self._names = named_trainable(pl_module)
+        self._policies = [cb for cb in trainer.callbacks if isinstance(cb, LayerPolicy)]
         self._seen_exchanges = sum(ex.stats.steps for ex in self._exchanges)
         if self.energy is None and self.keep_ratio is not None and self.keep_ratio.needs_total_steps and total_steps(trainer) is None:
             raise ValueError("AdaptiveKeepRatio's keep_ratio ramps until the end of training: set max_steps, or the Schedule's steps")
@@ -136,12 +157,14 @@ class AdaptiveKeepRatio(Callback):
         if not curves:
             return
         self._measured_at = applied_steps(trainer) - 1  # the step this measurement came from
-        local = torch.tensor([float(self._bounded(e.k_for(self.energy), e.tile_numel)) for _, e in curves], dtype=torch.float64)
+        ks = [float(self._bounded(e.k_for(self.energy), e.tile_numel)) for _, e in curves]
         comm = communicator_of(trainer)
         if comm is not None and comm.world_size > 1:
+            # on the communicator's device (NCCL takes no CPU tensor); one host read of the agreed sums
+            local = torch.tensor(ks, dtype=torch.float64, device=comm.device)
             comm.all_reduce_sum_(local, "adaptive/k")
-            local /= comm.world_size
-        for (p, e), k in zip(curves, local.tolist()):
+            ks = [k / comm.world_size for k in local.cpu().tolist()]
+        for (p, e), k in zip(curves, ks):
             self.controller_k[self._names[p]] = min(e.tile_numel, math.ceil(k - 1e-9))
 
     # ------------------------------------------------------------------ rules
@@ -151,7 +174,8 @@ class AdaptiveKeepRatio(Callback):
         return min(high, max(low, k))
 
     def _targets(self, trainer: Trainer, step: int) -> dict[Tensor, int]:
-        """The ``k`` of every compressed tensor at this step, before the budget."""
+        """The ``k`` of every compressed tensor at this step, before the budget (the module
+        docstring's formulas; ``m_p`` from the LayerPolicy rules, 1 without one)."""
         targets: dict[Tensor, int] = {}
         ratio = None if self.energy is not None or self.keep_ratio is None else self.keep_ratio(step, total_steps(trainer))
         for exchange in self._exchanges:
@@ -159,12 +183,27 @@ class AdaptiveKeepRatio(Callback):
                 n = exchange.tile_numel(p, self._without_strength(exchange, p))
                 if n == 0:
                     continue
+                m = self._multiplier(exchange, p, n, step)
                 if ratio is not None:
-                    targets[p] = max(1, min(n, math.ceil(ratio * n - 1e-9)))
+                    targets[p] = max(1, min(n, math.ceil(m * ratio * n - 1e-9)))
                 else:
                     default = self._bounded(exchange.k_of(p, self._without_strength(exchange, p)), n)
-                    targets[p] = self.controller_k.get(self._names[p], default)
+                    level = self.controller_k.get(self._names[p], default)
+                    targets[p] = self._bounded(math.ceil(m * level - 1e-9), n)
         return targets
+
+    def _multiplier(self, exchange: DeMoExchange, p: Tensor, tile_numel: int, step: int) -> float:
+        """``m_p = r_p / r_s``: the first LayerPolicy rule's keep ratio for ``p`` over the strategy's."""
+        for policy in self._policies:
+            got = policy.strength_at(p, step)
+            if got is None:
+                continue
+            field_name, value = got
+            rule_ratio = float(value) if field_name == "keep_ratio" else min(1.0, int(value) / tile_numel)
+            topk, keep_ratio = exchange.config.strength
+            strategy_ratio = float(keep_ratio) if keep_ratio is not None else min(1.0, int(topk) / exchange.config.chunk**2)
+            return rule_ratio / strategy_ratio
+        return 1.0
 
     @staticmethod
     def _without_strength(exchange: DeMoExchange, p: Tensor) -> TensorSettings:

@@ -27,7 +27,8 @@ coefficient magnitudes of the residual momenta) and ``demo/residual_norm/<group>
 Collectives: the energy reduction (``monitor/reduce``, one small all-reduce per logged step) and
 the divergence (``monitor/divergence``, an all-reduce of all parameters) run on every rank at the
 same steps; they are recorded in the ledger outside the optimizer steps' windows, so the
-strategy's per-step bytes and ratios exclude them and ``comm/monitor_bytes`` reports them.
+strategy's per-step bytes and ratios exclude them and ``comm/monitor_bytes`` reports them. Their
+tensors live on the communicator's device (NCCL takes no CPU tensor), each read back once.
 Works with ``strategy="demo"`` or ``"desloc"``; with any other strategy ``setup`` raises.
 """
 
@@ -225,7 +226,7 @@ class CommunicationMonitor(Callback):
         if not exchanges:
             return {}
         groups = sorted(set(self._groups.values()))
-        energy = torch.zeros(2 * len(groups) + 2, dtype=torch.float64)
+        energy = [0.0] * (2 * len(groups) + 2)  # summed on the host: the stats are Python numbers already
         for ex in exchanges:
             for p, e in zip(ex.parameters(), ex.stats.energy):
                 g = groups.index(self._groups.get(p, "other"))
@@ -235,26 +236,30 @@ class CommunicationMonitor(Callback):
             energy[-1] += sum(e.n_tiles * e.tile_numel for e in ex.stats.energy if e.k > 0)
         comm = communicator_of(trainer)
         if comm is not None and comm.world_size > 1:
-            comm.all_reduce_sum_(energy, "monitor/reduce")
-        out = {f"demo/energy_captured/{g}": float(energy[2 * i] / energy[2 * i + 1]) for i, g in enumerate(groups) if energy[2 * i + 1] > 0}
+            # one small all-reduce on the communicator's device (NCCL takes no CPU tensor), one host read
+            summed = torch.tensor(energy, dtype=torch.float64, device=comm.device)
+            comm.all_reduce_sum_(summed, "monitor/reduce")
+            energy = summed.cpu().tolist()
+        out = {f"demo/energy_captured/{g}": energy[2 * i] / energy[2 * i + 1] for i, g in enumerate(groups) if energy[2 * i + 1] > 0}
         if energy[-1] > 0:
-            out["demo/keep_ratio"] = float(energy[-2] / energy[-1])
+            out["demo/keep_ratio"] = energy[-2] / energy[-1]
         return out
 
     @torch.no_grad()
     def _divergence(self, trainer: Trainer, pl_module: LightningModule) -> float:
-        params = [p for p in pl_module.parameters() if p.requires_grad]
-        local = torch.cat([p.detach().reshape(-1).double() for p in params])
         comm = communicator_of(trainer)
         if comm is None or comm.world_size == 1:
             return 0.0
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        # on the communicator's device (where Lightning keeps the parameters: no copy); one host read
+        local = torch.cat([p.detach().reshape(-1).to(comm.device, torch.float64) for p in params])
         mean = local.clone()
         comm.all_reduce_sum_(mean, "monitor/divergence")
         mean /= comm.world_size
         spread = torch.stack([(local - mean).pow(2).sum(), mean.pow(2).sum() / comm.world_size])
         comm.all_reduce_sum_(spread, "monitor/divergence")
-        variance = float(spread[0]) / comm.world_size
-        norm2 = float(spread[1])
+        spread_sum, norm2 = spread.cpu().tolist()
+        variance = spread_sum / comm.world_size
         return math.sqrt(variance) / math.sqrt(norm2) if norm2 > 0 else 0.0
 
     @torch.no_grad()

@@ -12,8 +12,15 @@ Settings and where they go:
 * ``beta``: the DeMo exchange's momentum decay of the tensor under ``strategy="demo"``; otherwise
   the ``beta`` of :class:`demo_lightning.optim.DecoupledMomentum`.
 * ``keep_ratio`` / ``topk``, ``chunk``, ``dense``: the DeMo codec for that tensor (ignored, with a
-  warning, without a DeMo exchange; ``keep_ratio``/``topk`` are left to
-  :class:`AdaptiveKeepRatio` when it is also used).
+  warning, without a DeMo exchange). With :class:`AdaptiveKeepRatio` also on the Trainer, a rule's
+  ``keep_ratio`` / ``topk`` is the tensor's *base* ratio ``r_p`` (``topk / tile_numel`` for
+  ``topk``), which the adaptive callback scales: it applies
+  ``k_p = clamp(ceil(level_p * r_p / r_strategy))``, where ``r_strategy`` is the strategy's own ratio
+  (``keep_ratio``, or ``topk / chunk**2``) and ``level_p`` is what the schedule or the energy
+  controller would give a tensor without a rule (see :mod:`.adaptive_keep_ratio`). So a rule keeping
+  twice the strategy's ratio keeps twice the adaptive level. The order of the two callbacks in
+  ``Trainer(callbacks=...)`` does not matter: this callback never sets the strength then, it only
+  answers :meth:`LayerPolicy.strength_at`, which the adaptive callback reads at every step.
 * ``lam``: the lambda of :class:`demo_lightning.optim.DecoupledMomentum` (a user rule setting it
   with another optimizer raises ``ValueError``; a preset's is skipped).
 
@@ -140,6 +147,9 @@ PRESETS: dict[str, tuple[LayerRule, ...]] = {
 class LayerPolicy(Callback):
     """Per-layer beta / keep ratio / chunk / dense / lambda, with schedules (see the module docstring).
 
+    Beside :class:`AdaptiveKeepRatio` (in either order) the ``keep_ratio`` / ``topk`` rules are base
+    ratios that callback scales (``k_p = clamp(ceil(level_p * r_p / r_strategy))``), not dropped.
+
     Args:
         rules: ordered rules (first match per setting wins); applied before the preset's.
         preset: ``"language"`` or ``"vision"`` rules after the user's, or ``None``.
@@ -167,6 +177,7 @@ class LayerPolicy(Callback):
         self._owner: dict[Tensor, DeMoExchange] = {}
         self._optimizers: list[Any] = []
         self._total: Optional[int] = None
+        self._scaled = False  # AdaptiveKeepRatio applies (scales) the keep_ratio / topk rules
 
     @property
     def all_rules(self) -> list[tuple[LayerRule, bool]]:
@@ -183,7 +194,9 @@ class LayerPolicy(Callback):
         self._names = named_trainable(pl_module)
         self._total = total_steps(trainer)
         kinds = layer_kinds(pl_module)
-        adaptive = any(type(cb).__name__ == "AdaptiveKeepRatio" for cb in trainer.callbacks)
+        from demo_lightning.callbacks.adaptive_keep_ratio import AdaptiveKeepRatio  # it imports this module
+
+        self._scaled = any(isinstance(cb, AdaptiveKeepRatio) for cb in trainer.callbacks)
         skipped: set[str] = set()
         self._assign = {}
         for p, name in self._names.items():
@@ -199,9 +212,6 @@ class LayerPolicy(Callback):
                     field_name, value = got
                     if setting in _CODEC_FIELDS and p not in self._owner:
                         skipped.add(f"{setting} (no DeMo exchange)")
-                        continue
-                    if setting == "strength" and adaptive:
-                        skipped.add("keep_ratio/topk (AdaptiveKeepRatio sets them)")
                         continue
                     if setting == "lam" and not self._optimizers:
                         if from_preset:
@@ -256,10 +266,10 @@ class LayerPolicy(Callback):
             exchange = self._owner.get(p)
             if exchange is not None:
                 current = exchange.tensor_settings(p)
-                strength: dict[str, Any] = {}
-                if "topk" in values:
+                strength: dict[str, Any] = {}  # left alone with AdaptiveKeepRatio: it applies strength_at, scaled
+                if "topk" in values and not self._scaled:
                     strength = {"topk": values["topk"], "keep_ratio": None}
-                elif "keep_ratio" in values:
+                elif "keep_ratio" in values and not self._scaled:
                     strength = {"keep_ratio": values["keep_ratio"], "topk": None}
                 wanted = dataclasses.replace(
                     current,
@@ -279,12 +289,27 @@ class LayerPolicy(Callback):
                 if options and any(p is q for g in optimizer.param_groups for q in g["params"]):
                     optimizer.set_param_options(p, **options)
 
+    def strength_at(self, param: Tensor, step: int) -> Optional[tuple[str, Union[float, int]]]:
+        """The keep strength the rules give ``param`` at optimizer step ``step``: ``("keep_ratio", r)``,
+        ``("topk", k)``, or ``None`` when no rule sets one (or ``param`` is not compressed by a DeMo
+        exchange). :class:`AdaptiveKeepRatio` reads it as the tensor's base ratio; a pure function of
+        the step, so every rank gets the same answer whenever it asks."""
+        chosen = self._assign.get(param, {})
+        for field_name in ("topk", "keep_ratio"):
+            if field_name in chosen:
+                value = chosen[field_name]
+                return field_name, value(step, self._total) if isinstance(value, Schedule) else value
+        return None
+
     def format_table(self) -> str:
-        """The effective per-tensor settings at fit start, as a plain-text table."""
+        """The effective per-tensor settings at fit start, as a plain-text table (with
+        :class:`AdaptiveKeepRatio`, ``keep`` is the base ratio it scales, marked ``x adaptive``)."""
         rows = [("parameter", "beta", "keep", "chunk", "dense", "lam")]
         for name, values in self.effective.items():
             keep = values.get("keep_ratio", values.get("topk"))
             keep_cell = f"top {keep}" if "topk" in values else _fmt(keep)
+            if self._scaled and keep is not None:
+                keep_cell += " x adaptive"
             rows.append((name, _fmt(values.get("beta")), keep_cell, *(_fmt(values.get(c)) for c in ("chunk", "dense", "lam"))))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]

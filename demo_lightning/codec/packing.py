@@ -10,20 +10,30 @@ spends 8 of its 12 bytes per coefficient on indices).
 
 Value formats:
 
-=========  ===========================================================  ===========
-format     encoding                                                     lossless?
-=========  ===========================================================  ===========
-``fp32``   IEEE float32                                                 yes
-``bf16``   bfloat16 (round to nearest even)                             for bf16 data
-``fp16``   float16 (values beyond +-65504 saturate)                     for fp16 data
-``int8``   per-tile scale ``s = max|v| / 127`` (fp32) and ``round(v/s)``  no
-``sign``   per-tile scale ``s = mean|v|`` (fp32) and one bit ``v >= 0``  no
-=========  ===========================================================  ===========
+=========  ===============================================================  ===========
+format     encoding                                                         lossless?
+=========  ===============================================================  ===========
+``fp32``   IEEE float32                                                     yes
+``bf16``   bfloat16 (round to nearest even; beyond +-3.3895e38 saturates)   for bf16 data
+``fp16``   float16 (round to nearest even; beyond +-65504 saturates)        for fp16 data
+``int8``   per-tile scale ``s = max|v| / 127`` (fp32) and ``round(v/s)``    no
+``sign``   per-tile scale ``s = mean|v|`` (fp32) and one bit ``v >= 0``     no
+=========  ===============================================================  ===========
 
 :func:`pack_segment` also returns the values a receiver will decode, so a sender can subtract
 exactly what it sent (error feedback keeps the quantisation error). Unpacking returns those
 decoded values bit for bit; for ``fp32`` (and ``bf16``/``fp16`` data in their own format) they
 equal the input exactly.
+
+Range: finite inputs always decode to finite values. A float format *saturates*: a finite value
+beyond the format's largest finite value ``M`` is sent as ``+-M`` (:func:`saturate`), where a
+plain cast would give inf and poison the mean and the residual; the sender's error feedback
+(``v - decoded``) keeps the excess, which goes out in later steps. ``int8`` and ``sign`` scales
+stay finite for any finite tile (``127 * s`` and ``mean|v|`` never overflow fp32), and an all-zero
+tile has scale 0 and decodes to exact zeros. Non-finite inputs (inf, NaN) are not disguised: they
+decode to non-finite values (the non-finite guard keeps them from being exchanged at all).
+:func:`saturation_limit` gives a tighter ``M`` for values that are summed in the wire format
+(the low-pass all-reduce), so that a sum of ``W`` of them cannot overflow either.
 
 :func:`pack_segments` / :func:`unpack_segments` pack many segments (one per tensor) that share
 ``k``, tile size and format in a fixed number of tensor operations, byte for byte equal to
@@ -48,6 +58,8 @@ __all__ = [
     "pack_bits",
     "unpack_bits",
     "quantize_values",
+    "saturate",
+    "saturation_limit",
     "values_nbytes",
     "segment_nbytes",
     "pack_segment",
@@ -100,22 +112,80 @@ def unpack_bits(packed: Tensor, bits: int, count: int) -> Tensor:
     return (stream.view(count, bits) * weights).sum(dim=1)
 
 
+@functools.lru_cache(maxsize=64)
+def saturation_limit(value_format: ValueFormat, summands: int = 1) -> float:
+    """Largest magnitude ``L`` (a value of the format) such that a sum of ``summands`` values of
+    magnitude at most ``L``, added in the format in any order, cannot overflow.
+
+    For one summand ``L`` is the format's largest finite value (65504 for fp16). Otherwise a sum
+    of ``W`` values computed by any tree of ``W - 1`` correctly rounded additions satisfies
+    ``|s| <= (1 + u)^(W - 1) * sum|v_i|`` (``u``: the unit roundoff, half the format's epsilon),
+    so ``L = max / (W * (1 + u)^(W - 1))``, rounded down onto the format's grid, keeps every
+    partial sum finite: a little below ``max / W`` (fp16, W = 2: 32736, not 32752).
+
+    Why clamp each value rather than pre-scale every value by ``1 / W`` before the sum: pre-scaling
+    moves *all* values ``log2(W)`` binades closer to the format's underflow (fp16 is subnormal
+    below 6.1e-5), losing precision on the small coefficients that are the common case, to protect
+    the rare huge ones, which error feedback delivers in later steps anyway.
+
+    Raises ``ValueError`` for a format without a float wire type or for ``summands < 1``.
+    """
+    if value_format not in _FLOAT_FORMATS:
+        raise ValueError(f"saturation applies to the float formats {tuple(_FLOAT_FORMATS)}, got {value_format!r}")
+    if isinstance(summands, bool) or not isinstance(summands, int) or summands < 1:
+        raise ValueError(f"summands must be a positive integer (the number of workers summed), got {summands!r}")
+    info = torch.finfo(_FLOAT_FORMATS[value_format])
+    if summands == 1:
+        return float(info.max)
+    bound = float(info.max) / (summands * (1.0 + info.eps / 2) ** (summands - 1))
+    exponent = math.frexp(bound)[1]  # bound lies in [2**(exponent - 1), 2**exponent)
+    spacing = max(2.0 ** (exponent - 1) * info.eps, info.smallest_normal * info.eps)  # the format's spacing there
+    return math.floor(bound / spacing) * spacing
+
+
+def saturate(values: Tensor, value_format: ValueFormat, summands: int = 1) -> Tensor:
+    """``values`` cast to the wire dtype of a float format, finite values clamped to
+    ``+-saturation_limit(value_format, summands)``.
+
+    A plain cast turns a finite value beyond the format's range into inf (fp16: anything from
+    65520 up; bf16 and fp32 near fp32's max); this sends the largest magnitude the format (or a
+    sum of ``summands`` such values) can carry instead, and the caller's error feedback keeps the
+    difference. Infinities and NaNs pass through unchanged (the non-finite guard's business).
+    Values within range are rounded exactly as ``values.to(dtype)`` rounds them.
+    """
+    limit = saturation_limit(value_format, summands)
+    dtype = _FLOAT_FORMATS[value_format]
+    if values.dtype not in (torch.float32, torch.float64):
+        values = values.to(torch.float32)  # half types exactly (the limit may not be one of theirs), integers
+    if float(torch.finfo(values.dtype).max) <= limit:
+        return values.to(dtype)  # fp32 into fp32: nothing can lie beyond the limit
+    clamped = values.clamp(-limit, limit)  # NaN stays NaN
+    return torch.where(torch.isinf(values), values, clamped).to(dtype)
+
+
 def _encode_values(values: Tensor, value_format: ValueFormat, segments: tuple[int, ...] | None = None) -> tuple[list[Tensor], Tensor]:
     """Encode ``values`` ``(T, k)``: the wire bytes per field and the fp32 values a receiver will decode.
 
     ``segments``: values per segment (default one segment); sign bits are byte-aligned per segment.
     """
     _check_format(value_format)
-    values = values.to(torch.float32)
+    values = saturate(values, "fp32")  # float64 beyond fp32's range: fp32's max, not inf (as below)
     if value_format in _FLOAT_FORMATS:
-        narrow = values.to(_FLOAT_FORMATS[value_format])
+        narrow = saturate(values, value_format)
         return [_as_bytes(narrow)], narrow.to(torch.float32)
+    magnitude = values.abs()
+    peak = magnitude.amax(dim=1, keepdim=True)
     if value_format == "int8":
-        scale = values.abs().amax(dim=1, keepdim=True) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = peak / 127.0
+        # max|v| near fp32's max: s = max|v| / 127 may round up so far that 127 * s is inf; step down
+        scale = torch.where(torch.isinf(scale * 127.0) & torch.isfinite(scale), torch.nextafter(scale, torch.zeros_like(scale)), scale)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero tile: codes 0, decoded 0 * 0
         codes = torch.round(values / safe).clamp_(-127, 127).to(torch.int8)
         return [_as_bytes(scale), _as_bytes(codes)], _decode_int8(scale, codes)
-    scale = values.abs().mean(dim=1, keepdim=True)
+    scale = magnitude.mean(dim=1, keepdim=True)
+    # the sum of |v| can overflow fp32 although every |v| is finite: then mean|v| = max|v| * mean(|v| / max|v|)
+    rescaled = peak * (magnitude / torch.where(peak > 0, peak, torch.ones_like(peak))).mean(dim=1, keepdim=True)
+    scale = torch.where(torch.isinf(scale) & torch.isfinite(peak), rescaled, scale)
     positive = values >= 0
     bits = _pack_bit_fields(positive, 1, segments if segments is not None else (positive.numel(),))
     return [_as_bytes(scale), bits], _decode_sign(scale, positive)

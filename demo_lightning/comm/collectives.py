@@ -7,6 +7,18 @@ averages are SUM followed by a division (gloo has no ``ReduceOp.AVG``).
 With a world of one (or no initialised process group) every collective is the identity; the
 ledger still records the payload (its modeled wire bytes are zero).
 
+Devices: a :class:`Communicator` has one :attr:`~Communicator.device`, where every tensor it hands
+to the backend must live (NCCL, which Lightning uses on GPUs, takes only CUDA tensors of the
+rank's own device; gloo takes CPU tensors). It comes from the group's backend (the current CUDA
+device for ``nccl``, CPU for ``gloo`` and the rest, CPU without a process group) unless the
+constructor's ``device`` overrides it (e.g. a job whose parameters live on GPUs under gloo passes
+their device: gloo takes CUDA tensors too, and the check below wants one device). Control messages
+(layout checks, object gathers, the callbacks' reductions, the non-finite guard) are built on it;
+data (momenta, parameters) is there because the parameters are. Whenever a process group exists
+(a world of one included, so a one-GPU run checks what a multi-GPU run would send), every
+collective first checks each tensor's device and raises ``ValueError`` naming the collective, its
+ledger tag and both devices, before the backend would fail or hang on it.
+
 Failure: a collective that does not complete raises on every rank after the process group's
 timeout (set it with the strategy's ``timeout``); nothing here retries. The backend's own error
 (gloo: ``Timed out waiting 1800000ms for recv operation``, or ``Connection closed by peer``) is
@@ -20,7 +32,7 @@ import hashlib
 import io
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,7 +40,7 @@ from torch import Tensor
 
 from demo_lightning.comm.ledger import ByteLedger
 
-__all__ = ["CollectiveError", "Communicator"]
+__all__ = ["CollectiveError", "Communicator", "default_device"]
 
 
 class CollectiveError(RuntimeError):
@@ -41,6 +53,18 @@ _TIMEOUT_WORDS = ("timed out", "timeout", "deadline")
 _LOST_WORDS = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket", "peer")
 
 
+def default_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where collectives over ``group`` (``None``: the default group) take their tensors: the current
+    CUDA device when its backend is NCCL (also a mixed ``"cpu:gloo,cuda:nccl"`` one), otherwise CPU;
+    CPU when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Communicator:
     """Collectives over one process group, each recorded in a :class:`ByteLedger`.
 
@@ -48,6 +72,8 @@ class Communicator:
         group: the process group (``None``: the default group, if initialised).
         ledger: where to record; a new ledger for this rank by default.
         timeout: the process group's collective timeout, named in error messages (``None``: unknown).
+        device: where the collectives' tensors live (see the module docstring); ``None``:
+            :func:`default_device` of ``group``. ``"cuda"`` without an index means the current one.
     """
 
     def __init__(
@@ -55,12 +81,22 @@ class Communicator:
         group: Optional[dist.ProcessGroup] = None,
         ledger: Optional[ByteLedger] = None,
         timeout: Optional[timedelta] = None,
+        device: Union[torch.device, str, None] = None,
     ) -> None:
         self.group = group
         self.timeout = timeout
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
+        if device is None:
+            self.device = default_device(group)
+        else:
+            try:
+                self.device = torch.device(device)
+            except (RuntimeError, TypeError) as error:
+                raise ValueError(f"Communicator device must be a torch.device or a device string such as 'cuda:0', got {device!r}") from error
+            if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+                self.device = torch.device("cuda", torch.cuda.current_device())
         self.ledger = ledger if ledger is not None else ByteLedger(rank=self.rank)
         self.ledger.rank = self.rank
         self.seconds = 0.0  # wall time spent inside collectives
@@ -105,6 +141,16 @@ class Communicator:
         """Whether collectives actually cross processes."""
         return self.distributed and self.world_size > 1
 
+    def _check_device(self, op: str, tag: str, tensor: Tensor) -> None:
+        """Raise ``ValueError`` if ``tensor`` is not on :attr:`device` (whenever a process group exists)."""
+        if self.distributed and tensor.device != self.device:
+            raise ValueError(
+                f"{op} '{tag}' on rank {self.rank} got a tensor on {tensor.device}, but this Communicator's collectives "
+                f"run on {self.device} (its device attribute; process group backend {dist.get_backend(self.group)}). "
+                "Build control tensors with device=communicator.device (and read results back with .cpu()), keep the "
+                "exchanged parameters on that device, or pass Communicator(device=...) naming where they live"
+            )
+
     def all_gather_bytes(self, buffer: Tensor, tag: str, per_step: bool = True) -> list[Tensor]:
         """All-gather one ``uint8`` buffer of the same size on every rank; returns them in rank order.
 
@@ -112,6 +158,7 @@ class Communicator:
         """
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError(f"all_gather_bytes expects a 1-D uint8 buffer, got {buffer.dtype} {tuple(buffer.shape)}")
+        self._check_device("all_gather", tag, buffer)
         self.ledger.record("all_gather", tag, buffer.numel(), self.world_size, per_step=per_step)
         if not self.active:
             return [buffer]
@@ -121,6 +168,7 @@ class Communicator:
 
     def all_reduce_sum_(self, tensor: Tensor, tag: str) -> Tensor:
         """Sum ``tensor`` over ranks in place (bitwise identical on every rank) and return it."""
+        self._check_device("all_reduce", tag, tensor)
         self.ledger.record("all_reduce", tag, tensor.numel() * tensor.element_size(), self.world_size)
         if self.active:
             self._timed("all_reduce", tag, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.group)
@@ -128,6 +176,7 @@ class Communicator:
 
     def broadcast_(self, tensor: Tensor, tag: str, src: int = 0) -> Tensor:
         """Overwrite ``tensor`` with rank ``src``'s copy, in place."""
+        self._check_device("broadcast", tag, tensor)
         self.ledger.record("broadcast", tag, tensor.numel() * tensor.element_size(), self.world_size, root=src)
         if self.active:
             self._timed("broadcast", tag, dist.broadcast, tensor, src=self._global_rank(src), group=self.group)
@@ -148,7 +197,8 @@ class Communicator:
         """Gather a picklable object (tensors allowed) from every rank, in rank order.
 
         Sizes are exchanged first (8 bytes each), then every rank's serialised bytes are padded to
-        the largest and all-gathered; both collectives are recorded.
+        the largest and all-gathered; both collectives are recorded. Both buffers are built on
+        :attr:`device` and read back with one device-to-host copy each; the objects come back on CPU.
         """
         stream = io.BytesIO()
         torch.save(obj, stream)
@@ -156,15 +206,15 @@ class Communicator:
         if not self.active:
             self.ledger.record("all_gather", tag, payload.numel(), self.world_size)
             return [obj]
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         sizes = self.all_gather_bytes(size.view(torch.uint8), tag + "/sizes")
-        lengths = [int(s.view(torch.int64).item()) for s in sizes]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        gathered = self.all_gather_bytes(padded, tag)
+        lengths = [int(n) for n in torch.cat(sizes).view(torch.int64).cpu().tolist()]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        padded[: payload.numel()] = payload.to(self.device)
+        gathered = torch.stack(self.all_gather_bytes(padded, tag)).cpu()
         return [
-            torch.load(io.BytesIO(g[:n].numpy().tobytes()), weights_only=True, map_location="cpu")
-            for g, n in zip(gathered, lengths)
+            torch.load(io.BytesIO(row[:n].numpy().tobytes()), weights_only=True, map_location="cpu")
+            for row, n in zip(gathered, lengths)
         ]
 
     def check_same(self, values: list[int], tag: str, what: str) -> None:
@@ -177,15 +227,16 @@ class Communicator:
 
         The check is counted in the ledger's totals but not in the open step's traffic: it runs when a
         layout changes (first step, after a resume), not as part of the algorithm's per-step cost.
+        The 16 bytes are built on :attr:`device` and read back with one device-to-host copy.
         """
-        raw = torch.tensor(values, dtype=torch.int64).numpy().tobytes()
+        raw = torch.tensor(values, dtype=torch.int64, device="cpu").numpy().tobytes()
         digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
-        mine = torch.tensor([int(values[0]) if values else 0, digest], dtype=torch.int64)
+        mine = torch.tensor([int(values[0]) if values else 0, digest], dtype=torch.int64, device=self.device)
         gathered = self.all_gather_bytes(mine.view(torch.uint8), tag, per_step=False)
-        rows = [g.view(torch.int64) for g in gathered]
-        bad = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
+        rows = [tuple(row) for row in torch.stack(gathered).view(torch.int64).cpu().tolist()]
+        bad = [r for r, row in enumerate(rows) if row != rows[0]]
         if bad:
-            counts = ", ".join(f"rank {r}: {int(rows[r][0])}" for r in [0, *bad])
+            counts = ", ".join(f"rank {r}: {rows[r][0]}" for r in [0, *bad])
             raise RuntimeError(
                 f"{what} differs between rank 0 and rank(s) {bad} (items: {counts}); every rank must build the same "
                 "model with the same trainable parameters (requires_grad) in the same order"

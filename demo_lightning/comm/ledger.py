@@ -8,28 +8,52 @@ Wire models (per worker, for ``W`` workers, payload ``P`` bytes handed in by eac
 * broadcast of ``N`` bytes along a ring from the root: every worker but the last forwards ``N``,
   every worker but the root receives ``N``.
 
-The DDP baseline is what Lightning's ``DDPStrategy`` moves for the same model: an fp32 ring
-all-reduce of every trainable parameter's gradient per optimizer step,
-``2 * (W - 1) / W * 4 * n_trainable`` bytes per worker. The ratio reported is
+The DDP baseline is what Lightning's ``DDPStrategy`` moves for the same model: a ring all-reduce
+of every trainable parameter's gradient per optimizer step, each in its parameter's dtype,
+``2 * (W - 1) / W * sum(numel * element_size)`` bytes per worker (``4 * n_trainable`` for fp32). The ratio reported is
 ``DDP bytes sent / our bytes sent`` (``100`` means 100x fewer bytes).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "CollectiveRecord",
     "ByteLedger",
     "StepTraffic",
     "TagTotals",
+    "ddp_bytes_for",
     "ddp_bytes_per_step",
+    "human_bytes",
     "ring_all_gather_bytes",
     "ring_all_reduce_bytes",
 ]
 
 CollectiveOp = Literal["all_gather", "all_reduce", "broadcast"]
+_SI_UNITS = ("B", "kB", "MB", "GB", "TB")
+
+
+def human_bytes(nbytes: float) -> str:
+    """``nbytes`` as a decimal SI size for people: ``"999 B"``, ``"62.4 kB"``, ``"1.5 MB"``.
+
+    Units step by 1000 (B, kB, MB, GB, TB; sizes beyond stay in TB): whole bytes below 1 kB, one
+    decimal from kB up. The unit is chosen after rounding, so 999,960 bytes read ``"1.0 MB"``,
+    never ``"1000.0 kB"``. Raises ``ValueError`` for anything but a finite, non-negative number.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not math.isfinite(nbytes) or nbytes < 0:
+        raise ValueError(f"human_bytes expects a finite, non-negative byte count, got {nbytes!r}")
+    if round(nbytes) < 1000:
+        return f"{round(nbytes)} B"
+    for power, unit in enumerate(_SI_UNITS[1:], start=1):
+        text = f"{nbytes / 1000.0**power:.1f}"
+        if float(text) < 1000.0 or unit == _SI_UNITS[-1]:
+            return f"{text} {unit}"
+    raise AssertionError("unreachable: the last unit always returns")
 
 
 def ring_all_gather_bytes(payload_bytes: int, world_size: int) -> float:
@@ -45,6 +69,16 @@ def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
 def ddp_bytes_per_step(n_trainable: int, world_size: int, grad_bytes: int = 4) -> float:
     """Bytes per worker per optimizer step of DDP's gradient all-reduce (fp32 by default)."""
     return ring_all_reduce_bytes(n_trainable * grad_bytes, world_size)
+
+
+def ddp_bytes_for(params: Iterable[Any], world_size: int) -> float:
+    """DDP's gradient all-reduce per worker per optimizer step for these trainable parameters.
+
+    DDP reduces each gradient in its parameter's dtype: 4 bytes an element for fp32 parameters
+    (``"32-true"``, and ``"bf16-mixed"``, whose parameters stay fp32), 2 for ``"bf16-true"`` or
+    ``"16-true"``, 8 for float64.
+    """
+    return ring_all_reduce_bytes(sum(p.numel() * p.element_size() for p in params), world_size)
 
 
 def _modeled(op: CollectiveOp, payload_bytes: int, world_size: int, rank: int, root: int) -> tuple[float, float]:

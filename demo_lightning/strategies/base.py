@@ -13,6 +13,8 @@ world size restores the shared parts and restarts the per-rank parts from rank 0
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union, get_args
 
@@ -22,6 +24,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -35,7 +38,8 @@ from typing_extensions import override
 from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange, warn_if_stateful
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
 from demo_lightning.algorithms.guard import FIX, GUARD_TAG, NonFinitePolicy, check_nonfinite_policy, gather_nonfinite
-from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_per_step
+from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_for
+from demo_lightning.comm.ledger import human_bytes
 
 __all__ = ["CommunicationStrategy", "as_timedelta"]
 
@@ -81,6 +85,41 @@ def _check_backend(backend: Any) -> None:
 
 def _unwrap(optimizer: Any) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+PROGRESS_BAR_KEY = "comm/sent"
+
+
+class _ProgressBarTraffic:
+    """A progress bar's ``get_metrics``, plus this step's bytes sent as a human size.
+
+    Lightning logs numbers only, so ``comm/bytes_sent_per_step`` is logged as a number (for
+    TensorBoard and ``callback_metrics``) and kept off the bar; the text
+    (``comm/sent=62.4 kB/step``, :func:`~demo_lightning.comm.ledger.human_bytes`) is added where
+    Lightning builds the bar's items, :meth:`ProgressBar.get_metrics` (its documented override
+    point), by wrapping that method on the trainer's bar instance. Works for any bar (tqdm, rich,
+    a subclass: its own ``get_metrics`` runs first); adds nothing before the first optimizer step.
+    """
+
+    def __init__(self, get_metrics: Callable[[Trainer, LightningModule], dict[str, Any]], strategy: "CommunicationStrategy") -> None:
+        self.get_metrics = get_metrics
+        self.strategy = strategy
+
+    def __call__(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = dict(self.get_metrics(trainer, pl_module))
+        traffic = self.strategy.last_traffic
+        if traffic is not None:
+            items[PROGRESS_BAR_KEY] = f"{human_bytes(traffic.sent_bytes)}/step"
+        return items
+
+    @classmethod
+    def install(cls, bar: ProgressBar, strategy: "CommunicationStrategy") -> None:
+        """Wrap ``bar.get_metrics`` once; a later setup (another fit, a validate) re-points it at ``strategy``."""
+        current = bar.get_metrics
+        if isinstance(current, cls):
+            current.strategy = strategy
+        else:
+            bar.get_metrics = cls(current, strategy)  # type: ignore[method-assign]
 
 
 class CommunicationStrategy(DDPStrategy):
@@ -139,7 +178,7 @@ class CommunicationStrategy(DDPStrategy):
     def communicator(self) -> Communicator:
         """Collectives of this strategy (created once the process group exists)."""
         if self._communicator is None:
-            self._communicator = Communicator(ledger=self.ledger, timeout=self._timeout)
+            self._communicator = Communicator(ledger=self.ledger, timeout=self._timeout, device=self.root_device)
         return self._communicator
 
     @property
@@ -163,6 +202,8 @@ class CommunicationStrategy(DDPStrategy):
             )
         self._communicator = None
         super().setup(trainer)
+        if trainer.progress_bar_callback is not None:
+            _ProgressBarTraffic.install(trainer.progress_bar_callback, self)
         if trainer.state.fn == TrainerFn.FITTING:
             self._attach()
 
@@ -202,6 +243,18 @@ class CommunicationStrategy(DDPStrategy):
         self._exchanges, self._averagers = {}, {}
 
     @override
+    def on_train_end(self) -> None:
+        """DES-LOC's final sync: every rank ends on the averaged parameters and buffers (``final_sync``).
+
+        Not for an optimizer that a DeMo exchange drives: its replicas are identical at every step.
+        """
+        super().on_train_end()
+        if self.desloc_config is not None and self.desloc_config.final_sync:
+            for key, averager in self._averagers.items():
+                if key not in self._exchanges:
+                    averager.final_sync()
+
+    @override
     def teardown(self) -> None:
         for exchange in self._exchanges.values():
             exchange.remove()
@@ -216,11 +269,26 @@ class CommunicationStrategy(DDPStrategy):
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """Closure, non-finite guard, exchange (DeMo), Lightning's hooks and the update, averaging (DES-LOC).
+        """Closure, guard, local clipping, exchange (DeMo), Lightning's hooks and the update, averaging (DES-LOC).
+
+        Every rank runs the same collectives in the same order on every path: the guard's
+        all-gather always; then either nothing more (a skipped step, a raise on every rank) or the
+        exchange and the averaging.
+
+        Gradient clipping: under DeMo, Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm``
+        (through ``configure_gradient_clipping``) clips each worker's own gradient before it enters
+        the momentum, and Lightning's usual clipping after ``on_before_optimizer_step`` (which would
+        clip the shared update) is switched off; DES-LOC's ``clip_grad_norm`` runs at the same point.
+        Under DES-LOC alone Lightning clips the local gradient as usual.
+
+        Plan agreement: under DeMo the guard's all-gather also carries every rank's 8-byte plan
+        digest (trainable tensors and their codec settings, :meth:`DeMoExchange.plan_digest`); if
+        any differs, every rank runs the detailed check and raises the same ``RuntimeError`` before
+        any data moves.
 
         Non-finite guard: after the closure (the loss it returns, ``None`` counting as finite, and
         every ``p.grad`` of ``optimizer``) all ranks agree, through one 1-byte-per-rank all-gather
-        run at every step, whether any rank saw a NaN or inf. If one did:
+        (9 bytes with the digest) run at every step, whether any rank saw a NaN or inf. If one did:
 
         * ``nonfinite="raise"``: every rank raises ``FloatingPointError`` naming the step, the ranks
           and the fix; nothing was updated.
@@ -247,7 +315,10 @@ class CommunicationStrategy(DDPStrategy):
         skipped = False
         self.ledger.begin_step()
         try:
-            flags = gather_nonfinite(params, closure_result, self.communicator, GUARD_TAG)
+            digest = exchange.plan_digest() if exchange is not None else None
+            flags = gather_nonfinite(params, closure_result, self.communicator, GUARD_TAG, digest=digest)
+            if exchange is not None and not flags.digests_agree:
+                exchange.check_plan()  # every rank learnt of the mismatch: all raise the same RuntimeError here
             if flags:
                 if self.nonfinite == "raise":
                     raise flags.error(self._global_step())
@@ -256,19 +327,24 @@ class CommunicationStrategy(DDPStrategy):
                 skipped, output = True, closure_result
             else:
                 if exchange is not None:
-                    exchange.step()
-                elif averager is not None:
+                    # the local gradient is clipped before it enters the momentum; Lightning's own
+                    # clipping, which would clip the shared update, is switched off for this step
+                    self._clip_local_gradients(raw, model)
+                if averager is not None:
                     averager.before_step()
+                if exchange is not None:
+                    exchange.step(plan_agreed=True)
                 try:
-                    output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
+                    with _without_lightning_clipping(self.precision_plugin) if exchange is not None else nullcontext():
+                        output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
                 finally:
                     if exchange is not None:
                         exchange.restore_state()
                 if averager is not None:
                     averager.after_step()
         finally:
-            n_trainable = sum(p.numel() for p in params if p.requires_grad)
-            self.last_traffic = self.ledger.end_step(ddp_bytes_per_step(n_trainable, self.communicator.world_size))
+            trainable = [p for p in params if p.requires_grad]
+            self.last_traffic = self.ledger.end_step(ddp_bytes_for(trainable, self.communicator.world_size))
         self.last_step_skipped = skipped
         if skipped:
             self.skipped_steps += 1
@@ -283,6 +359,17 @@ class CommunicationStrategy(DDPStrategy):
         self._log_traffic(self.last_traffic)
         self._log_guard()
         return output
+
+    def _clip_local_gradients(self, optimizer: Optimizer, model: Optional[Union[LightningModule, Module]]) -> None:
+        """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` (through the module's
+        ``configure_gradient_clipping`` hook) applied to this worker's own gradient, before the exchange."""
+        module = model if isinstance(model, LightningModule) else self.lightning_module
+        if module is None or module._trainer is None:
+            return
+        trainer = module.trainer
+        self.precision_plugin._clip_gradients(
+            module, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
+        )
 
     def _global_step(self) -> Optional[int]:
         module = self.lightning_module
@@ -300,15 +387,18 @@ class CommunicationStrategy(DDPStrategy):
 
     def _log_traffic(self, traffic: StepTraffic) -> None:
         """Log this step's bytes and the ratio to DDP over all steps so far (periodic syncs make a
-        single step's ratio swing between infinity and a fraction)."""
+        single step's ratio swing between infinity and a fraction).
+
+        The logged values are numbers (for TensorBoard and ``callback_metrics``); the progress bar
+        shows this step's bytes sent as a human size instead (``comm/sent=62.4 kB/step``, added by
+        :class:`_ProgressBarTraffic`, which :meth:`setup` installs)."""
         module = self.lightning_module
         if module is None or module._trainer is None:
             return
         options: dict[str, Any] = dict(on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
-        # the progress bar shows this step's bytes sent (B/step) next to the loss
-        module.log("comm/bytes_sent_per_step", float(traffic.sent_bytes), prog_bar=True, **options)
         module.log_dict(
             {
+                "comm/bytes_sent_per_step": float(traffic.sent_bytes),
                 "comm/bytes_received_per_step": float(traffic.received_bytes),
                 "comm/ratio_vs_ddp": float(self.ledger.cumulative_ratio_vs_ddp),
             },
@@ -326,8 +416,9 @@ class CommunicationStrategy(DDPStrategy):
             state = optimizer.state_dict()
             local["optimizer"] = {**state, "state": _without_demo(state["state"])}
             local["desloc"] = averager.state_dict()
-            local["params"] = [p.detach().clone() for p in averager.parameters()]
-            local["buffers"] = [b.detach().clone() for b in averager.buffers]
+            replica, buffers = averager.local_replica()  # this rank's own, also right after the final sync
+            local["params"] = [p.clone() for p in replica]
+            local["buffers"] = [b.clone() for b in buffers]
         return local
 
     @override
@@ -383,6 +474,21 @@ class CommunicationStrategy(DDPStrategy):
                 exchange.load_local_state(mine["demo_momentum"])
             else:
                 exchange.clear_state()
+
+
+@contextmanager
+def _without_lightning_clipping(plugin: Precision) -> Iterator[None]:
+    """Within the block, the precision plugin's gradient clipping (run after ``on_before_optimizer_step``)
+    does nothing: under DeMo ``p.grad`` then holds the shared update, already made from clipped gradients."""
+    plugin._clip_gradients = _no_clipping  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del plugin._clip_gradients
+
+
+def _no_clipping(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _without_demo(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:

@@ -5,9 +5,10 @@ A thin Lightning layer over :class:`demo_lightning.algorithms.DeMoExchange` (see
 
 * at fit start, rank 0's parameters and buffers are broadcast (replicas start identical);
 * once per optimizer step (after the closure, i.e. after the last micro-batch of gradient
-  accumulation) every optimizer's exchange runs and writes the shared update into ``p.grad``;
-  then Lightning's ``on_before_optimizer_step`` hooks, gradient clipping (of the shared update)
-  and the optimizer's own step follow;
+  accumulation) Lightning's gradient clipping (``gradient_clip_val``) is applied to each worker's
+  own gradient, then every optimizer's exchange runs and writes the shared update into ``p.grad``;
+  then Lightning's ``on_before_optimizer_step`` hooks and the optimizer's own step follow (the
+  shared update itself is never clipped: under ``update="sign"`` every parameter moves by ``lr``);
 * optionally (off by default) DES-LOC averaging of parameters and of optimizer-state keys (for
   example the DeMo residual ``demo_momentum``) on their own periods, after the step;
 * checkpoints carry every rank's own momentum; each rank gets its own back on resume;

@@ -49,6 +49,9 @@ class DesLocStrategy(CommunicationStrategy):
             ``"lowpass"`` sends every coefficient at about one bit each (with ``compress_params``).
         value_format: codec value format (with ``compress_params``).
         bucket_cap_mb: largest payload per collective in megabytes.
+        final_sync: when training ends, average parameters and buffers once more on every rank, so
+            the model saved, validated, tested or exported is the averaged one (each rank's own
+            replica stays in checkpoints' per-rank state, so a resume continues bitwise).
         process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when ``None``.
         timeout: collective timeout in seconds (or a ``timedelta``).
         start_method: how Lightning starts local processes.
@@ -78,6 +81,7 @@ class DesLocStrategy(CommunicationStrategy):
         selection: Literal["topk", "lowpass"] = "topk",
         value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign",
         bucket_cap_mb: float = 25.0,
+        final_sync: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = 1800.0,
         start_method: StartMethod = "popen",
@@ -98,6 +102,7 @@ class DesLocStrategy(CommunicationStrategy):
                 bucket_cap_mb=bucket_cap_mb,
             ),
             bucket_cap_mb=bucket_cap_mb,
+            final_sync=final_sync,
         )
         if param_sync_every is None:
             raise ValueError("param_sync_every must be an integer period >= 1 for strategy='desloc'")

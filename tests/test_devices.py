@@ -1,0 +1,150 @@
+"""Collectives take their tensors on the communicator's device (NCCL, which Lightning uses on GPUs,
+refuses CPU tensors): the device a Communicator derives or is given, the check every collective
+makes, the guard's flag byte without a host read before its gather, and a real 2-process gloo fit
+(strategy, AdaptiveKeepRatio, CommunicationMonitor, a checkpoint) in which a control tensor built
+without ``device=communicator.device`` would fail (tests/device_run.py explains how, on CPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from demo_lightning.algorithms import gather_nonfinite
+from demo_lightning.algorithms.guard import GUARD_TAG
+from demo_lightning.comm import Communicator
+
+from dist_helpers import clean_env, free_port, run_workers
+
+pytestmark = pytest.mark.timeout(300)
+
+HERE = Path(__file__).parent
+
+
+# ---------------------------------------------------------------------------- the device itself
+def test_communicator_device_without_a_group_and_overridden() -> None:
+    assert Communicator().device == torch.device("cpu")
+    assert Communicator(device="meta").device == torch.device("meta")
+    assert Communicator(device=torch.device("cuda", 1)).device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"Communicator device must be a torch.device.*got 'gpu0'"):
+        Communicator(device="gpu0")
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")), ("cpu:gloo,cuda:nccl", torch.device("cuda", 3))],
+)
+def test_communicator_device_follows_the_groups_backend(monkeypatch: pytest.MonkeyPatch, backend: str, expected: torch.device) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert Communicator().device == expected
+    assert Communicator(device="cpu").device == torch.device("cpu")  # the override wins
+
+
+# ---------------------------------------------------------------------------- the check, on 2 gloo ranks
+def _off_device_worker(rank: int, world_size: int) -> dict[str, Any]:
+    comm = Communicator()
+    out: dict[str, Any] = {"device": str(comm.device)}
+    meta = torch.zeros(8, dtype=torch.uint8, device="meta")
+    calls = {  # tag: (op named in the error, the call)
+        "t/gather": ("all_gather", lambda: comm.all_gather_bytes(meta, "t/gather")),
+        "t/reduce": ("all_reduce", lambda: comm.all_reduce_sum_(meta.float(), "t/reduce")),
+        "t/broadcast": ("broadcast", lambda: comm.broadcast_(meta.float(), "t/broadcast")),
+        "t/tensors": ("broadcast", lambda: comm.broadcast_tensors_([meta.float()], "t/tensors")),
+    }
+    out["errors"] = {}
+    for tag, (op, call) in calls.items():
+        try:
+            call()
+            out["errors"][tag] = (op, "no error")
+        except ValueError as error:
+            out["errors"][tag] = (op, str(error))
+    # a communicator told its collectives run elsewhere refuses the CPU tensors callers hand it
+    elsewhere = Communicator(device="meta")
+    try:
+        elsewhere.all_reduce_sum_(torch.ones(2), "t/elsewhere")
+        out["elsewhere"] = "no error"
+    except ValueError as error:
+        out["elsewhere"] = str(error)
+    # nothing was sent: the ranks are still aligned and a correct collective works
+    out["after"] = comm.all_reduce_sum_(torch.ones(2), "t/ok").tolist()
+    out["tags"] = sorted(comm.ledger.totals)
+    return out
+
+
+def test_every_collective_refuses_a_tensor_off_the_communicators_device(tmp_path: Path) -> None:
+    results = run_workers(_off_device_worker, 2, tmp_path, timeout=120, collective_timeout=30)
+    for rank, r in enumerate(results):
+        assert r["device"] == "cpu"
+        for tag, (op, message) in r["errors"].items():
+            assert f"{op} '{tag}' on rank {rank} got a tensor on meta" in message, message
+            assert "run on cpu" in message and "device=communicator.device" in message and "Communicator(device=...)" in message
+        assert f"all_reduce 't/elsewhere' on rank {rank} got a tensor on cpu" in r["elsewhere"] and "run on meta" in r["elsewhere"]
+        assert r["after"] == [2.0, 2.0]
+        assert r["tags"] == ["t/ok"]  # a refused collective is not recorded either
+
+
+# ---------------------------------------------------------------------------- the guard
+class _Recording(Communicator):
+    """A communicator whose all-gather records the buffer it is handed and returns zeros on the CPU
+    (every rank finite), standing in for a backend: its device is whatever the test says."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = torch.device(device)  # no process group: nothing checks it but this recorder
+        self.handed: list[tuple[str, torch.device, torch.dtype, int]] = []
+
+    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, per_step: bool = True) -> list[torch.Tensor]:
+        self.handed.append((tag, buffer.device, buffer.dtype, buffer.numel()))
+        return [torch.zeros(buffer.numel(), dtype=torch.uint8) for _ in range(2)]
+
+
+@pytest.mark.parametrize("digest", [None, -(2**62) + 5])
+def test_guard_builds_its_byte_on_the_communicators_device_without_reading_it_back_first(digest: Any) -> None:
+    """Parameters, gradients and loss on ``meta``, where no value can be read: the guard completes, so
+    it makes no host read before the all-gather (whose result is its one read per step)."""
+    comm = _Recording(device="meta")
+    params = [torch.nn.Parameter(torch.zeros(4, 4, device="meta")) for _ in range(3)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    flags = gather_nonfinite(params, torch.zeros((), device="meta"), comm, GUARD_TAG, **({} if digest is None else {"digest": digest}))
+    assert comm.handed == [(GUARD_TAG, torch.device("meta"), torch.uint8, 1 if digest is None else 9)]
+    assert not flags and flags.per_rank == (0, 0)
+    # gradients on the CPU, the communicator elsewhere: the byte still goes where the collectives run
+    comm = _Recording(device="meta")
+    cpu_params = [torch.nn.Parameter(torch.zeros(4))]
+    cpu_params[0].grad = torch.ones(4)
+    gather_nonfinite(cpu_params, 1.0, comm)
+    assert comm.handed[0][1] == torch.device("meta")
+
+
+# ---------------------------------------------------------------------------- a real 2-process fit
+def test_two_process_fit_and_checkpoint_hand_every_collective_tensors_on_the_communicators_device(tmp_path: Path) -> None:
+    env = clean_env()
+    env["MASTER_PORT"] = str(free_port())
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "device_run.py"), "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["device"] == "cpu" and r["global_step"] == 4
+        # every tensor torch.distributed got was on the communicator's device
+        assert r["seen"] and all(devices == [r["device"]] for devices in r["seen"].values()), r["seen"]
+        assert {"all_gather", "all_reduce", "broadcast"} <= set(r["seen"])
+        # ... including those of every control path run with the default device set to meta
+        for tag in ("codec/fingerprint", "guard/nonfinite", "adaptive/k", "monitor/reduce", "monitor/divergence",
+                    "checkpoint/per_rank_state", "checkpoint/per_rank_state/sizes"):
+            assert tag in r["tags"], (tag, r["tags"])
+        assert any(t.startswith("desloc/") for t in r["tags"]), r["tags"]
