@@ -54,13 +54,13 @@ from demo_lightning.codec import (
     lowpass_order,
     pack_segments,
     plan_tiles,
+    saturate,
     segment_nbytes,
     select,
     to_tiles,
     unpack_segments,
     validate_strength,
 )
-from demo_lightning.codec.packing import saturate
 from demo_lightning.comm import Communicator
 
 __all__ = ["DEFAULT_TOPK", "CodecConfig", "CompressedMean", "TensorCodec", "TensorEnergy", "compute_dtype"]

@@ -38,6 +38,7 @@ same ``RuntimeError``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -152,8 +153,8 @@ class TensorSettings:
             _check_decay(self.decay)
         _ = self.codec
 
-    @property
-    def codec(self) -> TensorCodec:
+    @functools.cached_property
+    def codec(self) -> TensorCodec:  # built once per (immutable) settings object: the step reads it per tensor
         return TensorCodec(topk=self.topk, keep_ratio=self.keep_ratio, chunk=self.chunk, dense=self.dense)
 
 

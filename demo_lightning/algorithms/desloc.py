@@ -402,11 +402,14 @@ class DesLocAverager:
         ):
             return False
         params = self.parameters()
-        self._check_layout(params, [])
+        current = set(params)
+        left = [p for p in self._synced if p not in current]  # frozen since the last sync: averaged too
+        self._check_layout(params, [len(left)])
+        params = [*params, *left]
         writes: list[tuple[list[Optional[Tensor]], list[Tensor]]] = [(list(params), self._mean(params, "desloc/final/params"))]
         if self.buffers:
             writes.append((self.buffers, self._mean(self.buffers, "desloc/final/buffers")))
-        replica = ([p.detach().clone() for p in params], [b.detach().clone() for b in self.buffers])
+        replica = ([p.detach().clone() for p in params[: len(current)]], [b.detach().clone() for b in self.buffers])
         self._write(writes)
         self._local_replica = replica
         self.stats.syncs["final"] = self.stats.syncs.get("final", 0) + 1

@@ -8,6 +8,7 @@ from demo_lightning.comm.ledger import (
     TagTotals,
     ddp_bytes_for,
     ddp_bytes_per_step,
+    human_bytes,
     ring_all_gather_bytes,
     ring_all_reduce_bytes,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "TagTotals",
     "ddp_bytes_for",
     "ddp_bytes_per_step",
+    "human_bytes",
     "ring_all_gather_bytes",
     "ring_all_reduce_bytes",
 ]

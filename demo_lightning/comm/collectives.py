@@ -225,8 +225,9 @@ class Communicator:
         raise the same clear error (gloo aborts the process on an all-gather of unequal sizes).
         ``values[0]`` should count the items compared; the error reports it per rank.
 
-        The check is counted in the ledger's totals but not in the open step's traffic: it runs when a
-        layout changes (first step, after a resume), not as part of the algorithm's per-step cost.
+        The check is counted in the ledger's totals but not in the open step's traffic (it verifies,
+        it does not train): callers run it at a point every rank reaches, e.g. DES-LOC at every sync,
+        a standalone ``DeMoExchange.step`` at every step, the codec when its plan is rebuilt.
         The 16 bytes are built on :attr:`device` and read back with one device-to-host copy.
         """
         raw = torch.tensor(values, dtype=torch.int64, device="cpu").numpy().tobytes()

@@ -38,8 +38,7 @@ from typing_extensions import override
 from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange, warn_if_stateful
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
 from demo_lightning.algorithms.guard import FIX, GUARD_TAG, NonFinitePolicy, check_nonfinite_policy, gather_nonfinite
-from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_for
-from demo_lightning.comm.ledger import human_bytes
+from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_for, human_bytes
 
 __all__ = ["CommunicationStrategy", "as_timedelta"]
 
