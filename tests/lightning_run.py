@@ -56,6 +56,20 @@ class Recorder(pl.Callback):
         self.lrs.append(float(opt.param_groups[0]["lr"]))
 
 
+class DivergingSettings(pl.Callback):
+    """Rank ``rank`` alone gives the first exchanged tensor its own topk at optimizer step ``at``."""
+
+    def __init__(self, at: int, rank: int = 1) -> None:
+        self.at, self.rank = at, rank
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.at and trainer.global_rank == self.rank:
+            from demo_lightning.algorithms import TensorSettings
+
+            exchange = trainer.strategy.exchanges[0]
+            exchange.set_tensor_settings(exchange.parameters()[0], TensorSettings(topk=3))
+
+
 class PoisonedGPT(GPTLightningModule):
     """The GPT whose loss (or one gradient) turns non-finite on one rank at one optimizer step."""
 
@@ -96,6 +110,7 @@ def main() -> None:
     p.add_argument("--nan-at", type=int, default=None, help="optimizer step (0-based) at which to inject a non-finite value")
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--nan-kind", default="loss", choices=["loss", "grad"])
+    p.add_argument("--diverge-settings-at", type=int, default=None, help="optimizer step at which rank 1 alone changes a tensor's topk")
     p.add_argument("--rank-seeded-init", action="store_true", help="initialise the model differently on every rank")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -116,9 +131,12 @@ def main() -> None:
     else:
         strategy = pl.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=60))
     recorder = Recorder()
+    callbacks: list[pl.Callback] = [recorder]
+    if args.diverge_settings_at is not None:
+        callbacks.append(DivergingSettings(args.diverge_settings_at))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.max_epochs,
-        precision=args.precision, accumulate_grad_batches=args.accumulate, callbacks=[recorder],
+        precision=args.precision, accumulate_grad_batches=args.accumulate, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )

@@ -307,3 +307,15 @@ def test_raise_stops_both_processes_with_the_fix_and_no_hang(tmp_path: Path) -> 
             assert part in message, (rank, part)
         assert not (tmp_path / f"rank{rank}.pt").exists()
     assert "FloatingPointError" in proc.stderr
+
+
+def test_settings_changed_on_one_rank_stop_both_processes_with_the_same_error(tmp_path: Path) -> None:
+    # the plan digest travels in the guard's all-gather: both ranks learn of the mismatch before any data moves
+    start = time.monotonic()
+    proc = _run(tmp_path, "--diverge-settings-at", "2", timeout=180)
+    assert proc.returncode != 0 and time.monotonic() - start < 180
+    for rank in range(2):
+        message = (tmp_path / f"rank{rank}.error").read_text()
+        assert message.startswith("RuntimeError: the list of tensors to exchange"), (rank, message)
+        assert "differs between rank 0 and rank(s) [1]" in message and "same TensorSettings on every rank" in message, message
+    assert "SIGABRT" not in proc.stderr and "Timed out" not in proc.stderr
