@@ -5,28 +5,43 @@
     .venv/bin/python benchmarks/codec.py --threads 2 --embedding-rows 50257
     .venv/bin/python benchmarks/codec.py --device cuda            # the same on a GPU
     .venv/bin/python benchmarks/codec.py --render-only            # re-render the markdown from the JSON
+    .venv/bin/python benchmarks/exchange_step.py                  # the whole exchange step vs these floors, a revision, the reference
 
 Part 1 (timings): for representative weight shapes (embedding, fused qkv, attention output, MLP up
 and down, a 3x3 conv) with ``--chunk`` 64 and ``--topk`` 64, every stage of the codec is timed on
-its own with ``torch.utils.benchmark.Timer`` (median of ``blocked_autorange``): ``to_tiles``,
-``dct2`` (encode), ``select`` (top-k), ``pack_segment`` and ``unpack_segment`` for each value
-format, and the decode (``scatter_add_`` into zeroed tiles, ``idct2``, ``from_tiles``); then the
-whole ``CompressedMean`` call at world size 1 (``Communicator()`` without a process group). Each
-time is also shown as a multiple of the arithmetic floor: one ``torch.matmul`` of square matrices
-with the same FLOPs as ``dct2`` (``2 * T * r * c * (r + c)``: 256 per element for 64x64 tiles),
-scaled to exactly those FLOPs. A second reference, "dct2 GEMMs", runs the same two GEMMs as
-``dct2`` bare: ``(T, 64, 64) @ (64, 64)`` twice. Both write into preallocated outputs
-(arithmetic only); every codec stage allocates its results, as the codec does.
+its own with ``torch.utils.benchmark.Timer`` (median of ``blocked_autorange``). Two forms of the
+transform stand side by side: the tile-major one of ``demo_lightning.codec`` (``to_tiles``, then
+``dct2`` on the ``(T, 64, 64)`` tiles; decode: ``scatter_add_`` into zeroed tiles, ``idct2``,
+``from_tiles``), and the matrix-layout one the exchange's stages run
+(``demo_lightning.codec.transform``: ``accumulate_spectrum`` with decay 0 and ``inverse_spectrum``
+on the tensor's own ``Rp x Cp`` matrix, no tile copies, into a preallocated output and scratch as
+the stages' workspace provides them). Then ``select`` (top-k and low-pass), ``pack_segment`` and
+``unpack_segment`` for each value format, and the whole ``CompressedMean`` call at world size 1
+(``Communicator()`` without a process group). Each time is also shown as a multiple of the
+arithmetic floor: one ``torch.matmul`` of square matrices with the same FLOPs as ``dct2`` (``2 * T
+* r * c * (r + c)``: 256 per element for 64x64 tiles), scaled to exactly those FLOPs. A second
+reference, "dct2 GEMMs", runs the same two GEMMs as ``dct2`` bare: ``(T, 64, 64) @ (64, 64)``
+twice. Both write into preallocated outputs (arithmetic only); ``to_tiles``/``dct2``/``idct2``/
+``from_tiles`` and the other codec functions allocate their results, as the codec does.
 
-The isolated timings reuse hot inputs. To see what a step really spends, the codec functions are
-also timed inside real ``CompressedMean`` calls (wrapped where that module calls them): dct2 on
-``T`` tiles, idct2 on ``2 T`` (what this worker sent, for error feedback, and the mean),
-from_tiles twice; "rest" is the step's inline work (zeroed decode buffer, scatters, energy
-bookkeeping). "isolated sum" is ``to_tiles + dct2 + select + pack + unpack + 2 * decode`` from the
-isolated timings; step / isolated sum shows what the step loses to cold caches and allocation.
+The isolated timings reuse hot inputs. To see what a step really spends, the stages are also timed
+inside real ``CompressedMean`` calls, each function wrapped where the stage module that calls it
+looks it up: transform (``accumulate_spectrum``, in ``stages.encode``), select (``stages.select``,
+as ``compressed_mean`` calls it), pack (``pack_segments``, or ``saturate`` for an all-reduce, in
+``stages.transport``), unpack (``unpack_segments``, ``stages.transport``), scatter-add
+(``stages.accumulate``: ``index_add_`` into the mean's spectra, less the unpacking that runs
+inside it as it draws the contributions), inverse (``inverse_spectrum``, in ``stages.decode``).
+CompressedMean runs one forward and two inverse transforms per tensor: the mean, and what this
+worker sent (for the caller's error feedback). The DeMo exchange itself keeps its momenta as
+coefficients and runs one of each per step; that step is timed whole in
+``benchmarks/exchange_step.py``. "rest" is the step's inline work (the dense group, allocating
+and zeroing the spectra, copying the sent values in, the clones of the outputs, the ledger).
+"isolated sum" is ``transform + select + pack + unpack + 2 * (scatter + inverse)`` from the
+isolated timings (matrix-layout transform); step / isolated sum shows what the step loses to cold
+caches and allocation.
 
 Part 2 (bytes, closed forms): for the bundled GPT (``demo_lightning.models.GPT()``) the payload
-one worker hands to the collectives per step (``CompressedMean.payload_bytes`` per trainable
+one worker hands to the collectives per step (``CodecConfig.payload_bytes`` per trainable
 tensor; tensors below ``dense_below`` go to an fp32 all-reduce) is put through the ledger's ring
 models (``ring_all_gather_bytes`` for top-k, ``ring_all_reduce_bytes`` for low-pass float values
 and the dense tensors, ``ddp_bytes_per_step`` for DDP) for W = 2 .. 512. The payloads are checked
@@ -104,6 +119,7 @@ def time_tensor(name: str, shape: tuple[int, ...], args: argparse.Namespace, dev
         to_tiles,
         unpack_segment,
     )
+    from demo_lightning.codec.transform import accumulate_spectrum, inverse_spectrum, tile_view
     from demo_lightning.comm import Communicator
 
     def t(fn: Callable[[], Any]) -> dict[str, float]:
@@ -139,6 +155,20 @@ def time_tensor(name: str, shape: tuple[int, ...], args: argparse.Namespace, dev
     stages["from_tiles"] = t(lambda: from_tiles(tiles, layout))
     stages["decode"] = t(lambda: from_tiles(idct2(scatter().view(n, r, c)), layout))
 
+    # the matrix-layout transform the stages run: on the tensor's own Rp x Cp matrix, into a
+    # preallocated output and scratch (the stages' workspace), the padding buffer zeroed once
+    matrix_shape = (layout.padded_rows, layout.padded_cols)
+    coefficients, scratch, restored = (torch.empty(matrix_shape, dtype=x.dtype, device=device) for _ in range(3))
+    exact = matrix_shape == (layout.rows, layout.cols)
+    padded = None if exact else torch.zeros(matrix_shape, dtype=x.dtype, device=device)
+    accumulate_spectrum(x, layout, coefficients, 0.0, scratch, padded)
+    if not torch.allclose(tile_view(coefficients, layout).reshape(n, r, c), spectrum, rtol=1e-4, atol=1e-4):
+        raise SystemExit(f"{name} {shape}: accumulate_spectrum differs from dct2 of the tiles")
+    matrix = {
+        "transform": t(lambda: accumulate_spectrum(x, layout, coefficients, 0.0, scratch, padded)),
+        "inverse": t(lambda: inverse_spectrum(coefficients, layout, restored, scratch)),
+    }
+
     # floors: the dct2's two GEMMs bare, and one square matmul of the same FLOPs (scaled to them)
     # (written into preallocated outputs: arithmetic only, no allocation)
     basis_t = dct_basis(c, tiles.dtype, device).T.contiguous()
@@ -165,48 +195,70 @@ def time_tensor(name: str, shape: tuple[int, ...], args: argparse.Namespace, dev
         formats[fmt]["in_step"] = step_breakdown(mean, x, formats[fmt]["step"]["median_s"], args.min_run_time, device)
     return {
         "name": name, "shape": list(shape), "numel": numel, "tiles": n, "tile_shape": [r, c], "k": k,
-        "dct2_flops": flops, "floor_matmul_side": side, "stages": stages, "formats": formats,
+        "dct2_flops": flops, "floor_matmul_side": side, "stages": stages, "matrix_layout": matrix, "formats": formats,
     }
 
 
-ISOLATED = ("to_tiles", "dct2", "select", "select_lowpass", "scatter", "idct2", "from_tiles", "decode")
-IN_STEP = ("to_tiles", "dct2", "select", "pack_segments", "unpack_segments", "idct2", "from_tiles")
+ISOLATED = ("to_tiles", "dct2", "transform", "select", "select_lowpass", "scatter", "idct2", "inverse", "from_tiles", "decode")
+MATRIX = ("transform", "inverse")  # rec["matrix_layout"]; the rest are rec["stages"]
+IN_STEP = ("transform", "select", "pack", "unpack", "scatter-add", "inverse")
+# (column, stage module that looks the function up, name there)
+WRAPPED = (
+    ("transform", "demo_lightning.algorithms.stages.encode", "accumulate_spectrum"),
+    ("select", "demo_lightning.algorithms.compressed_mean", "select"),
+    ("pack", "demo_lightning.algorithms.stages.transport", "pack_segments"),
+    ("pack", "demo_lightning.algorithms.stages.transport", "saturate"),  # the all-reduce's wire format
+    ("unpack", "demo_lightning.algorithms.stages.transport", "unpack_segments"),
+    ("scatter-add", "demo_lightning.algorithms.compressed_mean", "accumulate"),
+    ("inverse", "demo_lightning.algorithms.stages.decode", "inverse_spectrum"),
+)
 
 
 def step_breakdown(mean: Any, x: Any, step_s: float, min_run_time: float, device: Any) -> dict[str, Any]:
-    """Seconds per step spent in each codec function inside a real ``CompressedMean`` call.
+    """Seconds per step spent in each stage inside a real ``CompressedMean`` call.
 
     The functions are wrapped (with a device synchronisation around each on GPUs) in the module that
-    calls them, so each is timed in context: with the caches and allocations a step really has, not
-    with hot, reused inputs as in the isolated timings. "rest" is the step's own inline work
-    (zeroing and scattering into the decode buffer, energy bookkeeping, concatenation, the ledger).
-    Minor page faults per step are counted too: freshly allocated temporaries that the allocator
-    had given back to the operating system are faulted in again, page by page.
+    looks them up (see ``WRAPPED``), so each is timed in context: with the caches and allocations a
+    step really has, not with hot, reused inputs as in the isolated timings. Times are exclusive: a
+    wrapped call made inside another (``unpack_segments`` runs inside ``accumulate``, which draws the
+    contributions from the transport's generator) counts for itself only. "rest" is the step's own
+    inline work (the dense group, allocating and zeroing the spectra, copying the sent values in,
+    cloning the outputs, the ledger). Minor page faults per step are counted too: freshly allocated
+    temporaries that the allocator had given back to the operating system are faulted in again,
+    page by page.
     """
-    import torch
+    import importlib
 
-    import demo_lightning.algorithms.compressed_mean as module
+    import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     spent = dict.fromkeys(IN_STEP, 0.0)
-    originals = {name: getattr(module, name) for name in IN_STEP}
+    inner = [0.0]  # per open wrapped call, the time of the wrapped calls inside it
+    originals = [(column, importlib.import_module(module), attr) for column, module, attr in WRAPPED]
+    originals = [(column, module, attr, getattr(module, attr)) for column, module, attr in originals]
 
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(column: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             sync()
+            inner.append(0.0)
             start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            sync()
-            spent[name] += time.perf_counter() - start
-            return result
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                elapsed = time.perf_counter() - start
+                spent[column] += elapsed - inner.pop()
+                inner[-1] += elapsed
 
         return call
 
     reps = max(3, math.ceil(min_run_time / max(step_s, 1e-9)))
     try:
-        for name, fn in originals.items():
-            setattr(module, name, timed(name, fn))
+        for column, module, attr, fn in originals:
+            setattr(module, attr, timed(column, fn))
         mean([x], "bench")  # warm-up
+        if not all(spent[column] > 0 for column in ("transform", "select", "inverse")):
+            raise SystemExit(f"a wrapped stage was never called ({spent}): has CompressedMean stopped looking it up there?")
         spent.update(dict.fromkeys(IN_STEP, 0.0))
         sync()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -217,8 +269,8 @@ def step_breakdown(mean: Any, x: Any, step_s: float, min_run_time: float, device
         total = (time.perf_counter() - start) / reps
         faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / reps
     finally:
-        for name, fn in originals.items():
-            setattr(module, name, fn)
+        for _, module, attr, fn in originals:
+            setattr(module, attr, fn)
     parts = {name: seconds / reps for name, seconds in spent.items()}
     parts["rest"] = total - sum(parts.values())
     return {"steps": reps, "step_s": total, "parts_s": parts, "minor_page_faults": faults}
@@ -226,18 +278,18 @@ def step_breakdown(mean: Any, x: Any, step_s: float, min_run_time: float, device
 
 def derive(rec: dict[str, Any]) -> None:
     """Add multiples of the floor, throughputs, the isolated-stage model of a step and its dominant stage."""
-    s = {key: v["median_s"] for key, v in rec["stages"].items()}
+    s = {key: v["median_s"] for key, v in (*rec["stages"].items(), *rec["matrix_layout"].items())}
     floor = s["matmul_floor"]
     rec["floor_gflops"] = rec["dct2_flops"] / floor / 1e9
     rec["dct2_gflops"] = rec["dct2_flops"] / s["dct2"] / 1e9
+    rec["transform_gflops"] = rec["dct2_flops"] / s["transform"] / 1e9
     rec["x_floor"] = {key: v / floor for key, v in s.items()}
     rec["elements_per_s"] = {key: rec["numel"] / v for key, v in s.items()}
     for f in rec["formats"].values():
-        # the step runs every stage once, but decodes 2 T tiles (what it sent, and the mean)
+        # the step runs every stage once, but decodes twice (what it sent, and the mean)
         isolated = {
-            "to_tiles": s["to_tiles"], "dct2": s["dct2"], "select": s["select"], "pack_segments": f["pack"]["median_s"],
-            "unpack_segments": f["unpack"]["median_s"], "scatter": 2 * s["scatter"], "idct2": 2 * s["idct2"],
-            "from_tiles": 2 * s["from_tiles"],
+            "transform": s["transform"], "select": s["select"], "pack": f["pack"]["median_s"],
+            "unpack": f["unpack"]["median_s"], "scatter": 2 * s["scatter"], "inverse": 2 * s["inverse"],
         }
         f["isolated_s"] = isolated
         f["isolated_sum_s"] = sum(isolated.values())
@@ -272,8 +324,8 @@ def byte_table(args: argparse.Namespace) -> dict[str, Any]:
     momenta = [torch.randn(p.shape) for p in params]
     for label, cfg in configs.items():
         mean = CompressedMean(cfg, Communicator())
-        dense = sum(4 * p.numel() for p in params if mean.layout(tuple(p.shape))[0] is None)
-        payload = sum(mean.payload_bytes(tuple(p.shape)) for p in params if mean.layout(tuple(p.shape))[0] is not None)
+        dense = sum(4 * p.numel() for p in params if cfg.layout(tuple(p.shape))[0] is None)
+        payload = sum(cfg.payload_bytes(tuple(p.shape)) for p in params if cfg.layout(tuple(p.shape))[0] is not None)
         ledger = mean.comm.ledger  # what a real call hands to the collectives (W = 1: recorded, not sent)
         ledger.begin_step()
         mean(momenta, "gpt")
@@ -334,7 +386,7 @@ def _ms(seconds: float) -> str:
 
 
 def _cell(rec: dict[str, Any], key: str, fmt: str | None = None) -> str:
-    src = rec["formats"][fmt] if fmt else rec["stages"]
+    src = rec["formats"][fmt] if fmt else rec["matrix_layout"] if key in MATRIX else rec["stages"]
     ratio = (rec["formats"][fmt]["x_floor"] if fmt else rec["x_floor"])[key]
     return f"{_ms(src[key]['median_s'])} ({ratio:.1f}x)"
 
@@ -346,6 +398,9 @@ def _mps(x: float) -> str:
 def render(result: dict[str, Any]) -> str:
     meta, recs, nb = result["meta"], result["timings"], result["bytes"]
     fmts = meta["formats"]
+    if any("matrix_layout" not in r for r in recs):
+        raise SystemExit("these timings predate the staged exchange (no matrix-layout transform, old in-step columns): "
+                         "rerun benchmarks/codec.py instead of --render-only")
     lines = [
         f"Command: `{meta['command']}` — {meta['date']}, {meta['machine']}, device {meta['device']}, "
         f"{meta['threads']} thread(s), torch {meta['torch']}. Load average (1/5/15 min) at start "
@@ -356,12 +411,15 @@ def render(result: dict[str, Any]) -> str:
         "",
         "Floor: one square `torch.matmul` with the FLOPs of `dct2` (256 per element for 64x64 tiles), scaled to "
         "exactly those FLOPs; \"dct2 GEMMs\": the same two `(T, 64, 64) @ (64, 64)` GEMMs as `dct2`, bare; both into "
-        "preallocated outputs (arithmetic only; the codec's stages allocate theirs). "
-        "decode = `scatter_add_` into zeroed tiles + `idct2` + `from_tiles`.",
+        "preallocated outputs (arithmetic only). Tile-major codec functions (`to_tiles`, `dct2`, `idct2`, `from_tiles`) "
+        "allocate their results; decode = `scatter_add_` into zeroed tiles + `idct2` + `from_tiles`. "
+        "transform / inverse: the matrix-layout DCT the exchange's stages run (`accumulate_spectrum` with decay 0, "
+        "`inverse_spectrum`) on the tensor's own padded matrix, no tile copies, into a preallocated output and scratch "
+        "as the stages' workspace gives them.",
         "",
-        "| tensor | shape | tiles | floor (GFLOP/s) | dct2 GEMMs | to_tiles | dct2 (encode) | select top-k | select low-pass "
-        "| scatter | idct2 | from_tiles | decode |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tensor | shape | tiles | floor (GFLOP/s) | dct2 GEMMs | to_tiles | dct2 (tile-major) | transform (matrix) "
+        "| select top-k | select low-pass | scatter | idct2 | inverse (matrix) | from_tiles | decode |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in recs:
         lines.append(
@@ -375,8 +433,8 @@ def render(result: dict[str, Any]) -> str:
         "### Per value format: pack and unpack alone, and the whole `CompressedMean` step at W = 1, "
         "ms (multiple of the floor)",
         "",
-        "isolated sum = to_tiles + dct2 + select + pack + unpack + 2 x (scatter + idct2 + from_tiles), each timed alone "
-        "with hot, reused inputs (the step decodes what it sent and the mean: 2 T tiles).",
+        "isolated sum = transform + select + pack + unpack + 2 x (scatter + inverse), each timed alone with hot, reused "
+        "inputs (matrix-layout transform; the step decodes twice: the mean and what it sent).",
         "",
         "| tensor | format | bytes / worker | pack | unpack | step | step M elem/s | isolated sum | step / isolated sum |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -391,14 +449,18 @@ def render(result: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "### Inside the step: time per codec function in a real `CompressedMean` call, ms (share of the step)",
+        "### Inside the step: time per stage in a real `CompressedMean` call, ms (share of the step)",
         "",
-        "Each function wrapped where `CompressedMean` calls it; dct2 runs on T tiles, idct2 on 2 T, from_tiles twice; "
-        "rest = the step's inline work (zeroed decode buffer, two scatters, energy bookkeeping, concatenation, ledger); "
-        "faults: minor page faults per step (4 KiB pages of temporaries the allocator had returned to the system).",
+        "Each function wrapped where its stage module looks it up: transform = `accumulate_spectrum` (stages.encode), "
+        "select = `stages.select`, pack = `pack_segments` / `saturate` and unpack = `unpack_segments` "
+        "(stages.transport), scatter-add = `stages.accumulate` (`index_add_` into the mean's spectra, less the "
+        "unpacking inside it), inverse = `inverse_spectrum` (stages.decode); one forward and two inverse transforms "
+        "per tensor (the mean, and what this worker sent). rest = the step's inline work (dense group, allocating and "
+        "zeroing the spectra, copying the sent values in, cloning the outputs, ledger); faults: minor page faults per "
+        "step (4 KiB pages of temporaries the allocator had returned to the system).",
         "",
-        "| tensor | format | step | to_tiles | dct2 | select | pack | unpack | idct2 | from_tiles | rest | dominant | faults |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tensor | format | step | transform | select | pack | unpack | scatter-add | inverse | rest | dominant | faults |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in recs:
         for fmt in fmts:
@@ -407,14 +469,14 @@ def render(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['name']} | {fmt} | {_ms(f['step_s'])} | "
                 + " | ".join(f"{_ms(f['parts_s'][key])} ({100 * f['share'][key]:.0f} %)" for key in (*IN_STEP, "rest"))
-                + f" | {d['stage'].replace('_segments', '')} | {f['minor_page_faults']:,.0f} |"
+                + f" | {d['stage']} | {f['minor_page_faults']:,.0f} |"
             )
-    keys = ("matmul_floor", "dct2_gemms", "to_tiles", "dct2", "select", "scatter", "idct2", "from_tiles")
+    keys = ("matmul_floor", "dct2_gemms", "to_tiles", "dct2", "transform", "select", "scatter", "idct2", "inverse", "from_tiles")
     lines += [
         "",
         "### Throughput, million elements per second (of the tensor, padding not counted)",
         "",
-        "| tensor | floor | dct2 GEMMs | to_tiles | dct2 | select top-k | scatter | idct2 | from_tiles | "
+        "| tensor | floor | dct2 GEMMs | to_tiles | dct2 | transform | select top-k | scatter | idct2 | inverse | from_tiles | "
         + " | ".join(f"pack {f}" for f in fmts) + " | " + " | ".join(f"unpack {f}" for f in fmts) + " | "
         + " | ".join(f"step {f}" for f in fmts) + " |",
         "|---|" + "---|" * (len(keys) + 3 * len(fmts)),

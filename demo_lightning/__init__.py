@@ -4,13 +4,33 @@
 ``Trainer(strategy="demo", devices=N, num_nodes=M)`` trains with DeMo's compressed momentum
 exchange (arXiv 2411.19870) in place of DDP's gradient all-reduce, and ``strategy="desloc"`` with
 DES-LOC's desynchronised periodic averaging (arXiv 2505.22549).
+
+The public surface, importable from here:
+
+* strategies: :class:`DeMoStrategy`, :class:`DesLocStrategy`;
+* configs: :class:`DeMoConfig`, :class:`CodecConfig`, :class:`DesLocConfig`, and per-tensor
+  :class:`TensorSettings` / :class:`TensorCodec`;
+* algorithms usable without Lightning: :class:`DeMoExchange`, :class:`DesLocAverager`,
+  :class:`CompressedMean`, :class:`NonFiniteGuard`, and the step protocol
+  (:class:`StepContext`, :class:`StepParticipant`, :func:`run_step`);
+* communication: :class:`Communicator`, :class:`CollectiveWork`, :class:`CollectiveError`,
+  :class:`ByteLedger`;
+* callbacks: :class:`CommunicationMonitor`, :class:`AdaptiveKeepRatio`, :class:`LayerPolicy`
+  (with :class:`LayerRule` and :class:`Schedule`); the optimizer :class:`DecoupledMomentum`.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from demo_lightning.algorithms import DeMoConfig, DeMoExchange
+from demo_lightning.algorithms.compressed_mean import CompressedMean
+from demo_lightning.algorithms.config import CodecConfig, TensorCodec
+from demo_lightning.algorithms.demo import DeMoConfig, DeMoExchange, TensorSettings
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
-from demo_lightning.comm import ByteLedger, Communicator
+from demo_lightning.algorithms.guard import NonFiniteGuard
+from demo_lightning.algorithms.participants import StepContext, StepParticipant, run_step
+from demo_lightning.callbacks import AdaptiveKeepRatio, CommunicationMonitor, LayerPolicy, LayerRule
+from demo_lightning.comm import ByteLedger, CollectiveError, CollectiveWork, Communicator
+from demo_lightning.optim import DecoupledMomentum
+from demo_lightning.schedules import Schedule
 from demo_lightning.strategies import DeMoStrategy, DesLocStrategy
 
 __version__ = "0.1.0"
@@ -19,13 +39,29 @@ DeMoStrategy.register_strategies(StrategyRegistry)
 DesLocStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "AdaptiveKeepRatio",
     "ByteLedger",
+    "CodecConfig",
+    "CollectiveError",
+    "CollectiveWork",
+    "CommunicationMonitor",
     "Communicator",
+    "CompressedMean",
     "DeMoConfig",
     "DeMoExchange",
     "DeMoStrategy",
+    "DecoupledMomentum",
     "DesLocAverager",
     "DesLocConfig",
     "DesLocStrategy",
+    "LayerPolicy",
+    "LayerRule",
+    "NonFiniteGuard",
+    "Schedule",
+    "StepContext",
+    "StepParticipant",
+    "TensorCodec",
+    "TensorSettings",
     "__version__",
+    "run_step",
 ]

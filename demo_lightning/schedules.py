@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int, is_int, is_number
+
 __all__ = ["SCHEDULE_KINDS", "Schedule", "ScheduleKind", "as_schedule"]
 
 ScheduleKind = Literal["constant", "linear", "cosine", "milestones"]
@@ -51,24 +53,20 @@ class Schedule:
     milestones: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULE_KINDS:
-            raise ValueError(f"Schedule kind must be one of {SCHEDULE_KINDS}, got {self.kind!r}")
-        if isinstance(self.start, bool) or not isinstance(self.start, (int, float)):
-            raise ValueError(f"Schedule start must be a number, got {self.start!r}")
+        check_choice("Schedule kind", self.kind, SCHEDULE_KINDS)
+        check_number("Schedule start", self.start)
         if self.kind in ("linear", "cosine"):
-            if isinstance(self.end, bool) or not isinstance(self.end, (int, float)):
+            if not is_number(self.end):
                 raise ValueError(f"a {self.kind} Schedule needs end (the value the ramp reaches), got {self.end!r}")
-            if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1):
-                raise ValueError(f"Schedule steps must be a positive integer or None (until the end), got {self.steps!r}")
-        if isinstance(self.begin, bool) or not isinstance(self.begin, int) or self.begin < 0:
-            raise ValueError(f"Schedule begin must be a non-negative integer step, got {self.begin!r}")
+            check_optional_int("Schedule steps", self.steps, 1)
+        check_int("Schedule begin", self.begin, 0, "a step")
         if self.kind == "milestones":
             if not self.milestones:
                 raise ValueError("a milestones Schedule needs milestones, e.g. {5000: 0.1}")
             for step, value in self.milestones.items():
-                if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                if not is_int(step, 0):
                     raise ValueError(f"Schedule milestones keys must be non-negative integer steps, got {step!r}")
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                if not is_number(value):
                     raise ValueError(f"Schedule milestones values must be numbers, got {value!r} at step {step}")
 
     @property
@@ -119,7 +117,7 @@ def as_schedule(
         return None
     if isinstance(value, Schedule):
         schedule = value
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif is_number(value):
         schedule = Schedule(kind="constant", start=float(value))
     else:
         raise ValueError(f"{name} must be a number or a Schedule, got {value!r}")

@@ -98,11 +98,17 @@ class Awkward(pl.LightningModule):
         return torch.optim.SGD(params, lr=1e-2)
 
 
-def _named_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, str]]:
-    def hashes(state: dict[str, Any]) -> dict[str, str]:
-        return {key: tensor_hash(value) for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0}
+def _named_state(module: nn.Module, optimizer: torch.optim.Optimizer, exchanges: list[Any]) -> dict[str, dict[str, str]]:
+    """Hashes of every optimizer-state tensor and of the DeMo momentum (``demo_momentum``), by parameter name."""
+    def hashes(p: torch.Tensor) -> dict[str, str]:
+        state = optimizer.state.get(p, {})
+        out = {key: tensor_hash(value) for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0}
+        for exchange in exchanges:
+            if exchange.has_momentum(p):
+                out[DEMO_STATE_KEY] = tensor_hash(exchange.momentum(p))
+        return out
 
-    return {name: hashes(optimizer.state[p]) for name, p in module.named_parameters() if p in optimizer.state}
+    return {name: hashes(p) for name, p in module.named_parameters() if p in optimizer.state or any(e.has_momentum(p) for e in exchanges)}
 
 
 class Recorder(pl.Callback):
@@ -117,7 +123,7 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.params.append({n: tensor_hash(p) for n, p in pl_module.named_parameters()})
-        self.states.append(_named_state(pl_module, trainer.optimizers[0]))
+        self.states.append(_named_state(pl_module, trainer.optimizers[0], getattr(trainer.strategy, "exchanges", [])))
         self.desloc_steps.append([a.step_count for a in getattr(trainer.strategy, "averagers", [])])
 
 
@@ -196,7 +202,7 @@ def main() -> None:
         "tied": model.head.weight is model.embed.weight,
         "dtypes": {n: str(t.dtype) for n, t in model.named_parameters()},
         "momentum_dtypes": {
-            n: str(opt.state[t][DEMO_STATE_KEY].dtype) for n, t in model.named_parameters() if DEMO_STATE_KEY in opt.state[t]
+            n: str(e.momentum(t).dtype) for e in getattr(trainer.strategy, "exchanges", []) for n, t in model.named_parameters() if e.has_momentum(t)
         },
         "syncs": [dict(a.stats.syncs) for a in getattr(trainer.strategy, "averagers", [])],
         "exchanged": [e.stats.n_trainable for e in getattr(trainer.strategy, "exchanges", [])],

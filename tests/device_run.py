@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-import demo_lightning.strategies.base as strategy_base
+import demo_lightning.algorithms.guard as guard_module
 from demo_lightning import DeMoStrategy
 from demo_lightning.callbacks import AdaptiveKeepRatio, CommunicationMonitor, LayerPolicy
 from demo_lightning.comm import Communicator
@@ -67,7 +67,7 @@ def install() -> None:
     for cls, method in ((Communicator, "check_same"), (Communicator, "all_gather_object"),
                         (AdaptiveKeepRatio, "on_train_batch_end"), (CommunicationMonitor, "on_train_batch_end")):
         setattr(cls, method, _default_device_meta(getattr(cls, method)))
-    strategy_base.gather_nonfinite = _default_device_meta(strategy_base.gather_nonfinite)
+    guard_module.gather_nonfinite = _default_device_meta(guard_module.gather_nonfinite)
     for name in ("all_gather", "all_reduce", "broadcast"):
         setattr(dist, name, _recording(name, getattr(dist, name)))
 

@@ -99,3 +99,29 @@ def run_workers(target: Callable[..., Any], world_size: int, out_dir: Path, *arg
     if bad:
         raise AssertionError(f"worker exit codes {bad}")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def record_pid(out: Path) -> None:
+    """In a launched worker: leave ``<out>/pids/rank<R>-<pid>`` so :func:`kill_launch` can find it."""
+    (out / "pids").mkdir(parents=True, exist_ok=True)
+    rank_hint = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    (out / "pids" / f"rank{rank_hint}-{os.getpid()}").touch()
+
+
+def kill_launch(proc: Any, out: Path, script: Path) -> None:
+    """Kill a launch's session and every worker of ``script`` it recorded (:func:`record_pid`;
+    torchrun starts workers in new sessions), then reap the launch."""
+    import signal
+
+    for pid_file in (out / "pids").glob("rank*-*") if (out / "pids").exists() else []:
+        pid = int(pid_file.name.rsplit("-", 1)[1])
+        try:
+            if script.name in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

@@ -20,7 +20,6 @@ import lightning.pytorch as pl
 import torch
 
 import demo_lightning
-from demo_lightning.algorithms import DEMO_STATE_KEY
 from demo_lightning.data import TextDataModule
 from demo_lightning.models import GPTLightningModule
 
@@ -43,7 +42,7 @@ class Recorder(pl.Callback):
         opt = trainer.optimizers[0]
         self.param_hashes.append([tensor_hash(p) for p in pl_module.parameters()])
         self.momentum_hashes.append(
-            [tensor_hash(opt.state[p][DEMO_STATE_KEY]) for p in pl_module.parameters() if DEMO_STATE_KEY in opt.state[p]]
+            [tensor_hash(e.momentum(p)) for e in getattr(trainer.strategy, "exchanges", []) for p in pl_module.parameters() if e.has_momentum(p)]
         )
         self.state_hashes.append(
             {key: [tensor_hash(opt.state[p][key]) for p in pl_module.parameters() if key in opt.state[p]] for key in ("exp_avg", "exp_avg_sq")}
@@ -167,7 +166,7 @@ def main() -> None:
         "lrs": recorder.lrs,
         "skipped_steps": getattr(trainer.strategy, "skipped_steps", None),
         "params": {n: t.detach().clone() for n, t in model.named_parameters()},
-        "momenta": {i: opt.state[q][DEMO_STATE_KEY].clone() for i, q in enumerate(model.parameters()) if DEMO_STATE_KEY in opt.state[q]},
+        "momenta": {i: e.momentum(q) for e in getattr(trainer.strategy, "exchanges", []) for i, q in enumerate(model.parameters()) if e.has_momentum(q)},
         "opt_state": {
             (i, key): value.clone()
             for i, q in enumerate(model.parameters())

@@ -40,18 +40,24 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import demo_lightning
 from demo_lightning.data import TextDataModule
 
-from dist_helpers import tensor_hash
+from dist_helpers import record_pid, tensor_hash
 from lightning_run import PoisonedGPT
 
 
-def _state_tensors(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
-    """Every tensor of the optimizer state (DeMo residuals included) by (parameter index, key)."""
-    return {
+def _state_tensors(opt: torch.optim.Optimizer, params: list[torch.Tensor], strategy: Any) -> dict[tuple[int, str], torch.Tensor]:
+    """Every tensor of the optimizer state, and the DeMo residuals as the exchange stores them
+    (``demo_momentum``: spectra, bitwise), by (parameter index, key)."""
+    out = {
         (i, key): value
         for i, p in enumerate(params)
         for key, value in sorted(opt.state.get(p, {}).items())
         if isinstance(value, torch.Tensor)
     }
+    for exchange in getattr(strategy, "exchanges", []):  # what a checkpoint saves (also before the first step after a load)
+        index = {p: i for i, p in enumerate(exchange.optimizer.param_groups[0]["params"])}
+        stored = exchange.state_dict()["momentum"]["momenta"]
+        out.update({(i, "demo_momentum"): stored[index[p]]["value"] for i, p in enumerate(params) if p in index and index[p] in stored})
+    return dict(sorted(out.items()))
 
 
 def _schedule(strategy: Any) -> dict[str, Any]:
@@ -81,7 +87,7 @@ class Recorder(pl.Callback):
             "epoch": trainer.current_epoch,
             "loss": repr(float(outputs["loss"])),  # a string: exact, and NaN (the skipped step) equals NaN
             "params": [tensor_hash(p) for p in params],
-            "state": {f"{i}/{key}": tensor_hash(v.reshape(-1)) for (i, key), v in _state_tensors(opt, params).items()},
+            "state": {f"{i}/{key}": tensor_hash(v.reshape(-1)) for (i, key), v in _state_tensors(opt, params, trainer.strategy).items()},
             "lr": float(opt.param_groups[0]["lr"]),
             **_schedule(trainer.strategy),
         }
@@ -150,7 +156,7 @@ def fit(spec: dict[str, Any], args: argparse.Namespace, data: TextDataModule) ->
             "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
             "global_step": trainer.global_step,
             "params": {n: t.detach().clone() for n, t in model.named_parameters()},
-            "opt_state": {k: v.detach().clone() for k, v in _state_tensors(opt, params).items()},
+            "opt_state": {k: v.detach().clone() for k, v in _state_tensors(opt, params, trainer.strategy).items()},
             **_schedule(trainer.strategy),
         },
         out / f"rank{trainer.global_rank}.pt",
@@ -175,9 +181,7 @@ def main() -> None:
     args = p.parse_args()
 
     out = Path(args.out)
-    (out / "pids").mkdir(parents=True, exist_ok=True)
-    rank_hint = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
-    (out / "pids" / f"rank{rank_hint}-{os.getpid()}").touch()
+    record_pid(out)
     torch.set_num_threads(1)
     data = TextDataModule(block_size=32, batch_size=4, max_bytes=40_000, max_val_bytes=2_000)  # read once, shared
     for spec in json.loads(args.fits):

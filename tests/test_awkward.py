@@ -262,7 +262,7 @@ def test_collective_errors_are_re_raised_naming_the_collective_and_the_cause(
     comm = Communicator(timeout=timedelta(seconds=6))
     comm.distributed, comm.world_size, comm.rank = True, 2, 1  # as if in a 2-rank group
     with pytest.raises(CollectiveError) as info:
-        comm.all_reduce_sum_(torch.zeros(3), "desloc/params")
+        comm.all_reduce_sum_(torch.zeros(3), "desloc/params").wait()  # the error surfaces at wait()
     message = str(info.value)
     assert message.startswith("all_reduce 'desloc/params' failed on rank 1 of 2 after "), message
     assert expected in message and message.endswith(f"Backend error: {backend_error}"), message

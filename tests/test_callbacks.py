@@ -98,7 +98,7 @@ def test_energy_captured_and_curve_match_a_scipy_dct() -> None:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(64, 128, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(chunk=32, topk=10, decay=0.5, update="raw", dense_below=0, value_format="fp32"))
+    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=32, topk=10, decay=0.5, update="raw", dense_below=0, value_format="fp32"))
     weight.grad = torch.randn_like(weight)
     momentum = weight.grad.numpy().copy()  # decay * 0 + g
     exchange.request_energy_curve()
@@ -114,24 +114,30 @@ def test_energy_captured_and_curve_match_a_scipy_dct() -> None:
     target = float(curve[99])  # the best 100 per tile reach exactly this fraction
     assert energy.k_for(target) == 100 and energy.k_for(float(curve[100]) + 1e-9) == 102
     assert stats.keep_ratio == pytest.approx(10 / 1024)
-    # without a request the next step computes no curve (it costs a sort per tile)
+    # without a request the next step measures nothing; request_energy() gives totals without the curve
     weight.grad = torch.randn_like(weight)
+    assert exchange.step().energy == []
+    weight.grad = torch.randn_like(weight)
+    exchange.request_energy()
     assert exchange.step().energy[0].curve is None
 
 
 def test_per_tensor_settings_change_decay_k_and_bytes() -> None:
     a, b = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([a, b], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(topk=8, dense_below=0, decay=0.9, update="raw"))
+    exchange = DeMoExchange(opt, DeMoConfig.of(topk=8, dense_below=0, decay=0.9, update="raw"))
     base = exchange.payload_bytes(a)
     exchange.set_tensor_settings(b, TensorSettings(decay=0.0, topk=32))
     assert exchange.payload_bytes(b) > base and exchange.k_of(b) == 32 and exchange.k_of(a) == 8
     for _ in range(2):
         a.grad, b.grad = torch.ones(64, 64), torch.ones(64, 64)
+        exchange.request_energy()
         stats = exchange.step()
     assert [e.k for e in stats.energy] == [8, 32]
+    a.grad, b.grad = torch.ones(64, 64), torch.ones(64, 64)
+    assert exchange.step().energy == []  # measured only on request
     # decay 0 on b: its momentum is this step's gradient less what was sent; a's keeps 0.9 of the last
-    sent_b = torch.ones(64, 64) - opt.state[b]["demo_momentum"]
+    sent_b = torch.ones(64, 64) - exchange.momentum(b)
     assert torch.allclose(sent_b, b.grad, atol=1e-5)  # one worker: the shared update is what it sent
     with pytest.raises(ValueError, match="decay"):
         TensorSettings(decay=1.0)

@@ -31,6 +31,7 @@ from demo_lightning.codec import (
     unpack_segment,
     unpack_segments,
 )
+from demo_lightning.comm import CollectiveWork
 
 SHAPES = [(), (1,), (7,), (64,), (127,), (3, 5), (64, 64), (127, 131), (128, 192), (5, 3, 3, 3), (2, 3, 4, 5, 6)]
 
@@ -374,8 +375,9 @@ class _IdenticalWorkers:
     def __getattr__(self, name: str) -> object:  # check_same, ledger, ...: the one-process communicator's
         return getattr(self._comm, name)
 
-    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, *args: object, **kwargs: object) -> list[torch.Tensor]:
-        return [b.clone() for b in self._comm.all_gather_bytes(buffer, tag, *args, **kwargs) * self.world_size]
+    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, *args: object, **kwargs: object) -> CollectiveWork[list[torch.Tensor]]:
+        gathered = self._comm.all_gather_bytes(buffer, tag, *args, **kwargs).wait()
+        return CollectiveWork.completed([b.clone() for b in gathered * self.world_size])
 
 
 def test_sum_in_rank_order_divided_by_w_is_exact_only_for_w_1_2_4() -> None:

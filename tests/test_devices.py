@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from demo_lightning.algorithms import gather_nonfinite
 from demo_lightning.algorithms.guard import GUARD_TAG
-from demo_lightning.comm import Communicator
+from demo_lightning.comm import CollectiveWork, Communicator
 
 from dist_helpers import clean_env, free_port, run_workers
 
@@ -57,9 +57,9 @@ def _off_device_worker(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {"device": str(comm.device)}
     meta = torch.zeros(8, dtype=torch.uint8, device="meta")
     calls = {  # tag: (op named in the error, the call)
-        "t/gather": ("all_gather", lambda: comm.all_gather_bytes(meta, "t/gather")),
-        "t/reduce": ("all_reduce", lambda: comm.all_reduce_sum_(meta.float(), "t/reduce")),
-        "t/broadcast": ("broadcast", lambda: comm.broadcast_(meta.float(), "t/broadcast")),
+        "t/gather": ("all_gather", lambda: comm.all_gather_bytes(meta, "t/gather").wait()),
+        "t/reduce": ("all_reduce", lambda: comm.all_reduce_sum_(meta.float(), "t/reduce").wait()),
+        "t/broadcast": ("broadcast", lambda: comm.broadcast_(meta.float(), "t/broadcast").wait()),
         "t/tensors": ("broadcast", lambda: comm.broadcast_tensors_([meta.float()], "t/tensors")),
     }
     out["errors"] = {}
@@ -72,12 +72,12 @@ def _off_device_worker(rank: int, world_size: int) -> dict[str, Any]:
     # a communicator told its collectives run elsewhere refuses the CPU tensors callers hand it
     elsewhere = Communicator(device="meta")
     try:
-        elsewhere.all_reduce_sum_(torch.ones(2), "t/elsewhere")
+        elsewhere.all_reduce_sum_(torch.ones(2), "t/elsewhere").wait()
         out["elsewhere"] = "no error"
     except ValueError as error:
         out["elsewhere"] = str(error)
     # nothing was sent: the ranks are still aligned and a correct collective works
-    out["after"] = comm.all_reduce_sum_(torch.ones(2), "t/ok").tolist()
+    out["after"] = comm.all_reduce_sum_(torch.ones(2), "t/ok").wait().tolist()
     out["tags"] = sorted(comm.ledger.totals)
     return out
 
@@ -104,9 +104,11 @@ class _Recording(Communicator):
         self.device = torch.device(device)  # no process group: nothing checks it but this recorder
         self.handed: list[tuple[str, torch.device, torch.dtype, int]] = []
 
-    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, per_step: bool = True) -> list[torch.Tensor]:
+    def all_gather_bytes(
+        self, buffer: torch.Tensor, tag: str, per_step: bool = True, *, group: Any = None,
+    ) -> CollectiveWork[list[torch.Tensor]]:
         self.handed.append((tag, buffer.device, buffer.dtype, buffer.numel()))
-        return [torch.zeros(buffer.numel(), dtype=torch.uint8) for _ in range(2)]
+        return CollectiveWork.completed([torch.zeros(buffer.numel(), dtype=torch.uint8) for _ in range(2)])
 
 
 @pytest.mark.parametrize("digest", [None, -(2**62) + 5])
@@ -144,7 +146,8 @@ def test_two_process_fit_and_checkpoint_hand_every_collective_tensors_on_the_com
         assert r["seen"] and all(devices == [r["device"]] for devices in r["seen"].values()), r["seen"]
         assert {"all_gather", "all_reduce", "broadcast"} <= set(r["seen"])
         # ... including those of every control path run with the default device set to meta
-        for tag in ("codec/fingerprint", "guard/nonfinite", "adaptive/k", "monitor/reduce", "monitor/divergence",
+        # (check_same: DES-LOC's layout check at every sync; the exchange's plan rides in the guard's all-gather)
+        for tag in ("desloc/layout", "demo/topk", "demo/dense", "guard/nonfinite", "adaptive/k", "monitor/reduce", "monitor/divergence",
                     "checkpoint/per_rank_state", "checkpoint/per_rank_state/sizes"):
             assert tag in r["tags"], (tag, r["tags"])
         assert any(t.startswith("desloc/") for t in r["tags"]), r["tags"]

@@ -8,7 +8,7 @@ import scipy.fft
 import torch
 from torch import nn
 
-from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange
+from demo_lightning.algorithms import DeMoConfig, DeMoExchange
 
 
 def _direct_step(m: np.ndarray, g: np.ndarray, decay: float, chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,7 +34,7 @@ def test_world_size_one_equals_direct_computation() -> None:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(128, 192, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0, value_format="bf16"))
+    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0, value_format="bf16"))
     m = np.zeros((128, 192))
     for _ in range(3):
         g = torch.randn_like(weight)
@@ -42,22 +42,22 @@ def test_world_size_one_equals_direct_computation() -> None:
         exchange.step()
         m, q = _direct_step(m, g.numpy(), 0.9, 64, 16)
         np.testing.assert_allclose(weight.grad.numpy(), q, atol=1e-9)
-        np.testing.assert_allclose(opt.state[weight][DEMO_STATE_KEY].numpy(), m, atol=1e-9)
+        np.testing.assert_allclose(exchange.momentum(weight).numpy(), m, atol=1e-9)
     # the sign rule writes sign(Q)
     sign_opt = torch.optim.SGD([weight], lr=0.1)
-    DeMoExchange(sign_opt, DeMoConfig(chunk=64, topk=16, decay=0.9, update="sign", dense_below=0)).step()
+    DeMoExchange(sign_opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="sign", dense_below=0)).step()
     assert set(torch.unique(weight.grad).tolist()) <= {-1.0, 0.0, 1.0}
 
 
 def test_dense_tensors_send_everything() -> None:
     bias = nn.Parameter(torch.zeros(10))
     opt = torch.optim.SGD([bias], lr=1.0)
-    exchange = DeMoExchange(opt, DeMoConfig(update="raw", dense_below=100))
+    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=100))
     g = torch.randn(10)
     bias.grad = g.clone()
     stats = exchange.step()
     assert torch.equal(bias.grad, g)
-    assert torch.equal(opt.state[bias][DEMO_STATE_KEY], torch.zeros(10))
+    assert torch.equal(exchange.momentum(bias), torch.zeros(10))
     assert stats.payload_bytes == 40
 
 
@@ -69,7 +69,7 @@ def test_full_topk_raw_update_equals_plain_momentum_sgd_at_world_size_one() -> N
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
-    exchange = DeMoExchange(opt_a, DeMoConfig(keep_ratio=1.0, decay=0.0, update="raw", dense_below=0, value_format="fp32"))
+    exchange = DeMoExchange(opt_a, DeMoConfig.of(keep_ratio=1.0, decay=0.0, update="raw", dense_below=0, value_format="fp32"))
     for _ in range(3):
         x = torch.randn(8, 70, dtype=torch.float64)
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -86,26 +86,26 @@ def test_full_topk_raw_update_equals_plain_momentum_sgd_at_world_size_one() -> N
 def test_adam_initialises_its_own_state_next_to_the_momentum() -> None:
     model = nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    exchange = DeMoExchange(opt, DeMoConfig(update="raw", dense_below=100))
+    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=100))
     for _ in range(2):
         model(torch.randn(4, 64)).sum().backward()
         exchange.step()
         opt.step()
         opt.zero_grad()
     for p in model.parameters():
-        assert {"step", "exp_avg", "exp_avg_sq", DEMO_STATE_KEY} <= set(opt.state[p])
-    saved = opt.state_dict()
-    assert all(DEMO_STATE_KEY in s for s in saved["state"].values())
+        assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}  # the momentum is the exchange's own state
+        assert exchange.has_momentum(p)
+    assert set(exchange.state_dict()["momentum"]["momenta"]) == {0, 1}
 
 
 def test_missing_grad_counts_as_zero_and_still_gets_the_update() -> None:
     used, unused = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([used, unused], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(update="raw", dense_below=0))
+    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=0))
     used.grad = torch.randn(64, 64)
     exchange.step()
     assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(64, 64))
-    assert torch.equal(opt.state[unused][DEMO_STATE_KEY], torch.zeros(64, 64))
+    assert torch.equal(exchange.momentum(unused), torch.zeros(64, 64))
 
 
 def test_frozen_and_tied_parameters_are_exchanged_once_or_not_at_all() -> None:
@@ -117,7 +117,7 @@ def test_frozen_and_tied_parameters_are_exchanged_once_or_not_at_all() -> None:
     params = list(nn.ModuleList([emb, head, frozen]).parameters())
     assert len(params) == 3  # tied weight deduplicated
     opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(dense_below=0))
+    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0))
     emb.weight.grad = torch.randn(100, 64)
     stats = exchange.step()
     assert stats.n_trainable == 6400
@@ -127,17 +127,20 @@ def test_frozen_and_tied_parameters_are_exchanged_once_or_not_at_all() -> None:
 def test_local_state_round_trip_and_shape_check() -> None:
     model = nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(dense_below=0))
+    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0))
     model(torch.randn(2, 64)).sum().backward()
     exchange.step()
-    saved = exchange.local_state()
-    assert set(saved) == {0, 1}
+    before = [exchange.momentum(p) for p in model.parameters()]
+    saved = exchange.state_dict()
+    assert saved["momentum"]["version"] == 2 and set(saved["momentum"]["momenta"]) == {0, 1}
     exchange.clear_state()
-    assert all(DEMO_STATE_KEY not in s for s in opt.state.values())
-    exchange.load_local_state(saved)
-    assert torch.equal(opt.state[model.weight][DEMO_STATE_KEY], saved[0])
+    assert all(torch.equal(exchange.momentum(p), torch.zeros_like(p)) for p in model.parameters())
+    exchange.load_state_dict(saved)
+    assert all(torch.equal(exchange.momentum(p), b) for p, b in zip(model.parameters(), before))
     with pytest.raises(ValueError, match="different model"):
-        exchange.load_local_state({0: torch.zeros(3)})
+        exchange.load_state_dict({0: torch.zeros(3)})  # layout version 1 (parameter-shaped by index)
+    with pytest.raises(ValueError, match="version"):
+        exchange.load_state_dict({"momentum": {"version": 99, "momenta": {}}})
 
 
 @pytest.mark.parametrize(
@@ -160,4 +163,4 @@ def test_local_state_round_trip_and_shape_check() -> None:
 )
 def test_bad_config_names_the_argument(kwargs: dict, names: str) -> None:
     with pytest.raises(ValueError, match=names):
-        DeMoConfig(**kwargs)
+        DeMoConfig.of(**kwargs)

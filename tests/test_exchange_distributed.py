@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange
+from demo_lightning.algorithms import DeMoConfig, DeMoExchange
 from demo_lightning.codec import segment_nbytes
 from demo_lightning.comm import Communicator
 
@@ -42,7 +42,7 @@ def _train(rank: int, world: int, steps: int, same_data: bool, config: dict, bra
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    exchange = DeMoExchange(opt, DeMoConfig(**config), Communicator())
+    exchange = DeMoExchange(opt, DeMoConfig.of(**config), Communicator())
     param_hashes, momentum_hashes = [], []
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + (0 if same_data else rank))
@@ -52,7 +52,7 @@ def _train(rank: int, world: int, steps: int, same_data: bool, config: dict, bra
         exchange.step()
         opt.step()
         param_hashes.append([tensor_hash(p) for p in model.parameters()])
-        momentum_hashes.append([tensor_hash(opt.state[p][DEMO_STATE_KEY]) for p in model.parameters()])
+        momentum_hashes.append([tensor_hash(exchange.momentum(p)) for p in model.parameters()])
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "param_hashes": param_hashes,
@@ -122,7 +122,7 @@ def _count_collective_bytes(rank: int, world: int, steps: int, config: dict) -> 
         bias = nn.Parameter(torch.randn(50))
         opt = torch.optim.SGD([w1, w2, bias], lr=0.01)
         comm = Communicator()
-        exchange = DeMoExchange(opt, DeMoConfig(**config), comm)
+        exchange = DeMoExchange(opt, DeMoConfig.of(**config), comm)
         for _ in range(steps):
             for p in (w1, w2, bias):
                 p.grad = torch.randn_like(p)
@@ -192,7 +192,7 @@ def _settings_diverge(rank: int, world: int, via: str) -> str:
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    exchange = DeMoExchange(opt, DeMoConfig(topk=8, dense_below=100), Communicator())
+    exchange = DeMoExchange(opt, DeMoConfig.of(topk=8, dense_below=100), Communicator())
     try:
         for step in range(4):
             if step == 2 and rank == 1:
@@ -224,7 +224,7 @@ def _ddp_bytes_by_dtype(rank: int, world: int) -> dict[str, float]:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         torch.manual_seed(0)
         params = [nn.Parameter(torch.randn(128, 64).to(dtype)), nn.Parameter(torch.randn(40).to(dtype))]
-        exchange = DeMoExchange(torch.optim.SGD(params, lr=0.1), DeMoConfig(topk=8, dense_below=100), Communicator())
+        exchange = DeMoExchange(torch.optim.SGD(params, lr=0.1), DeMoConfig.of(topk=8, dense_below=100), Communicator())
         for p in params:
             p.grad = torch.randn_like(p)
         out[str(dtype)] = exchange.step().traffic.ddp_bytes

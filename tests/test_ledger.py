@@ -40,9 +40,12 @@ def test_single_process_communicator_is_identity_and_recorded() -> None:
 
     comm = Communicator()
     buf = torch.arange(10, dtype=torch.uint8)
-    assert comm.all_gather_bytes(buf, "t")[0] is buf
+    gathered = comm.all_gather_bytes(buf, "t")
+    assert gathered.is_completed()  # no process group: nothing to wait for
+    assert gathered.wait()[0] is buf and gathered.wait()[0] is buf  # wait() is idempotent
     x = torch.ones(3)
-    assert torch.equal(comm.all_reduce_sum_(x, "r"), torch.ones(3))
+    reduced = comm.all_reduce_sum_(x, "r")
+    assert reduced.is_completed() and reduced.wait() is x and torch.equal(x, torch.ones(3))
     assert comm.ledger.total_payload_bytes == 10 + 12
     assert comm.ledger.total_sent_bytes == 0
     with pytest.raises(ValueError, match="uint8"):

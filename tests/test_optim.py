@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange
+from demo_lightning.algorithms import DeMoConfig, DeMoExchange
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig, periods_from_betas
 from demo_lightning.comm import Communicator
 from demo_lightning.optim import DecoupledMomentum
@@ -251,7 +251,7 @@ def _demo_raw(rank: int, world: int, steps: int) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 4))  # 8192 weights: through the codec
     opt = DecoupledMomentum(model.parameters(), lr=0.05, lam=0.2, weight_decay=0.01)
     opt.set_param_options(model[0].weight, beta=0.95, lam=0.05)
-    exchange = DeMoExchange(opt, DeMoConfig(update="raw"), Communicator())
+    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw"), Communicator())
     initial = [p.detach().clone() for p in model.parameters()]
     steps_out = []
     for step in range(steps):
@@ -273,7 +273,7 @@ def _demo_raw(rank: int, world: int, steps: int) -> dict[str, Any]:
             "shared": [tensor_hash(q) for q in shared],
             "params": [tensor_hash(p) for p in model.parameters()],
             "momentum": [tensor_hash(opt.state[p][KEY]) for p in model.parameters()],
-            "demo_momentum": [tensor_hash(opt.state[p][DEMO_STATE_KEY]) for p in model.parameters()],
+            "demo_momentum": [tensor_hash(exchange.momentum(p)) for p in model.parameters()],
         })
     moved = all(not torch.equal(a, p) for a, p in zip(initial, model.parameters()))
     return {"steps": steps_out, "first_ok": first_ok, "moved": moved}

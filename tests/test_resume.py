@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_helpers import clean_env, free_port
+from dist_helpers import clean_env, free_port, kill_launch
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "resume_run.py"
@@ -72,19 +71,7 @@ KILLED = "demo+desloc"  # stage 2 of this variant ends with a SIGKILL of rank 1 
 
 # ---------------------------------------------------------------------------------------- launching
 def _kill_leftovers(proc: subprocess.Popen, out: Path) -> None:
-    """Kill the launch's session and every worker it recorded (torchrun starts workers in new sessions)."""
-    for pid_file in (out / "pids").glob("rank*-*") if (out / "pids").exists() else []:
-        pid = int(pid_file.name.rsplit("-", 1)[1])
-        try:
-            if SCRIPT.name in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                os.kill(pid, signal.SIGKILL)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
+    kill_launch(proc, out, SCRIPT)
 
 
 def _launch(out: Path, fits: list[dict[str, Any]], *extra: str, torchrun: bool = False) -> tuple[int, str]:

@@ -54,8 +54,8 @@ def test_registered_name_builds_the_strategy() -> None:
     assert "demo" in StrategyRegistry
     trainer = _trainer(strategy="demo")
     assert isinstance(trainer.strategy, DeMoStrategy)
-    assert trainer.strategy.demo_config.strength == (64, None)
-    assert (trainer.strategy.demo_config.value_format, trainer.strategy.demo_config.decay) == ("sign", 0.99)
+    assert trainer.strategy.demo_config.codec.strength == (64, None)
+    assert (trainer.strategy.demo_config.codec.value_format, trainer.strategy.demo_config.decay) == ("sign", 0.99)
 
 
 @pytest.mark.parametrize(
@@ -79,14 +79,16 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, names: str) -
 
 
 @pytest.mark.usefixtures("isolated_process_group")
-def test_single_device_fit_logs_comm_metrics_and_keeps_momentum_in_optimizer_state() -> None:
+def test_single_device_fit_logs_comm_metrics_and_keeps_momentum_in_the_exchange() -> None:
     model = _Classifier("adamw")
     trainer = _trainer(strategy=DeMoStrategy(update="raw", dense_below=100))
     trainer.fit(model, _loader())
     for name in ("comm/bytes_sent_per_step", "comm/bytes_received_per_step", "comm/ratio_vs_ddp"):
         assert name in trainer.callback_metrics
     opt = trainer.optimizers[0]
-    assert all("demo_momentum" in opt.state[p] and "exp_avg" in opt.state[p] for p in model.parameters())
+    exchange = trainer.strategy.exchanges[0]
+    assert all("exp_avg" in opt.state[p] and "demo_momentum" not in opt.state[p] for p in model.parameters())
+    assert all(exchange.has_momentum(p) for p in model.parameters())
     assert trainer.strategy.last_stats.steps == 4
 
 

@@ -1,20 +1,24 @@
 """Communication algorithms that attach to an optimizer, usable without Lightning."""
 
-from demo_lightning.algorithms.compressed_mean import DEFAULT_TOPK, CodecConfig, CompressedMean, TensorCodec, TensorEnergy
+from demo_lightning.algorithms.compressed_mean import CompressedMean
+from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec, compute_dtype
 from demo_lightning.algorithms.demo import (
     DEMO_STATE_KEY,
     UPDATES,
     DeMoConfig,
     DeMoExchange,
     ExchangeStats,
+    TensorEnergy,
     TensorSettings,
     warn_if_stateful,
 )
 from demo_lightning.algorithms.guard import NonFiniteFlags, agree_nonfinite, gather_nonfinite
+from demo_lightning.algorithms.momentum import MOMENTUM_STATE_VERSION, SpectralMomentum
 
 __all__ = [
     "DEFAULT_TOPK",
     "DEMO_STATE_KEY",
+    "MOMENTUM_STATE_VERSION",
     "UPDATES",
     "CodecConfig",
     "CompressedMean",
@@ -22,10 +26,12 @@ __all__ = [
     "DeMoExchange",
     "ExchangeStats",
     "NonFiniteFlags",
+    "SpectralMomentum",
     "TensorCodec",
     "TensorEnergy",
     "TensorSettings",
     "agree_nonfinite",
+    "compute_dtype",
     "gather_nonfinite",
     "warn_if_stateful",
 ]

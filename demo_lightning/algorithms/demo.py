@@ -3,37 +3,48 @@
 Paper: "DeMo: Decoupled Momentum Optimization", Peng, Quesnelle, Kingma, arXiv 2411.19870.
 
 Per trainable tensor, once per optimizer step, after the backward pass and before the
-optimizer's update, on every worker (no gradient all-reduce at all)::
+optimizer's update, on every worker (no gradient all-reduce at all). The momentum is kept in the
+DCT domain (:class:`~demo_lightning.algorithms.momentum.SpectralMomentum`; the transform is linear
+and orthonormal, so this is the paper's algorithm with two transforms per step instead of three)::
 
-    m  <- decay * m + g                    # local momentum (optimizer.state[p]["demo_momentum"])
-    C  =  DCT(tiles(m))                    # orthonormal 2-D DCT-II per tile (see codec)
-    (I, V) = select(C, k)                  # top-k by magnitude, or the k lowest frequencies
-    V^ = quantize(V)                       # what goes on the wire (value_format)
-    m  <- m - IDCT(scatter(I, V^))         # error feedback: what was sent leaves m
-    Q  =  IDCT( sum_r scatter(I_r, V^_r) / W )   # mean over all W workers, rank order 0..W-1
+    M  <- decay * M + DCT(pad(g))          # encode: one forward transform, the decay fused into its GEMM
+    (I, V) = select(M, k)                  # top-k by magnitude per tile, or the k lowest frequencies
+    V^ = wire(V)                           # transport: what receivers decode (value_format)
+    M  <- M - scatter(I, V^)               # error feedback, in coefficient space (no transform)
+    Q  =  IDCT( sum_r scatter(I_r, V^_r) / W )[:R, :C]   # decode: rank order 0..W-1, one inverse
     p.grad <- sign(Q)   (update="sign", the paper's rule, for plain SGD)
     p.grad <- Q         (update="raw", the shared direction for any optimizer)
 
 Tensors with fewer than ``dense_below`` elements skip the codec: their whole momentum is summed
 by an fp32 all-reduce, divided by W, and their residual is cleared (everything was sent).
 
+Padded tiles: where a shape does not tile exactly the padding's residual is kept in ``M`` (see
+:mod:`~demo_lightning.algorithms.momentum`), where the parameter-space form would crop it each step.
+
+Stages (:mod:`~demo_lightning.algorithms.stages`): plan, encode, transport (all-gather of positions
+and values, or all-reduce of fixed positions), decode. Work per step: one forward and one inverse
+transform per compressed tensor, straight from and into the tensors' own memory (views when the
+shape tiles exactly); one ``topk`` per family of equal tiles; energy only when a callback asks
+(:meth:`DeMoExchange.request_energy`, :meth:`DeMoExchange.request_energy_curve`); no host
+synchronisation in the step (the collectives' own aside), so it runs the same on a GPU.
+
 Differences from the reference implementation (bloc97/DeMo), each deliberate:
 
-* the momentum is kept in ``optimizer.state`` so checkpoints carry it (it is hidden from the
-  optimizer's own ``step`` so lazily initialised optimizers such as Adam still initialise);
+* the momentum is state of the exchange, saved and restored with it (:meth:`DeMoExchange.state_dict`);
 * the exchange runs after the closure (Lightning's forward/backward), not before it;
 * ``grad is None`` counts as a zero gradient, so every rank sends the same sizes;
 * the decode is a true mean over all workers in a fixed rank order, so every replica computes
   bitwise the same update; indices are bit-packed, values are fp32/bf16/fp16/int8/sign;
-* tensors are tiled with padding (no prime-size degeneration; N-D weights work), and tiles of
-  the same shape from all tensors are transformed in one batched matmul;
-* collectives are bucketed: one all-gather per bucket of up to ``bucket_cap_mb`` megabytes.
+* tensors are tiled with padding (no prime-size degeneration; N-D weights work);
+* collectives are bucketed: one collective per bucket of up to ``bucket_cap_mb`` megabytes, all
+  started before the first is waited on.
 
 Failure behaviour: a collective that cannot complete raises on every rank after the process
-group's timeout. Every step, before any data moves, every rank's plan digest (trainable tensors and
-their codec settings) is compared across ranks (:meth:`DeMoExchange.check_plan`, or the strategy's
-guard, which carries it): a rank whose tensors or settings changed alone makes every rank raise the
-same ``RuntimeError``.
+group's timeout, and the momenta are left as they were before the step (error feedback is applied
+only after every collective completed). Every step, before any data moves, every rank's plan
+digest (trainable tensors and their codec settings) is compared across ranks
+(:meth:`DeMoExchange.check_plan`, or the strategy's guard, which carries it): a rank whose tensors
+or settings changed alone makes every rank raise the same ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -41,29 +52,45 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from demo_lightning.algorithms.compressed_mean import (
-    DEFAULT_TOPK,
-    CodecConfig,
-    CompressedMean,
-    TensorCodec,
-    TensorEnergy,
-    compute_dtype,
+from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec
+from demo_lightning.algorithms.momentum import SpectralMomentum
+from demo_lightning.algorithms.participants import StepContext
+from demo_lightning.algorithms.stages import (
+    ExchangePlan,
+    Outgoing,
+    Selected,
+    TensorPlan,
+    Workspace,
+    accumulate,
+    build_plan,
+    inverse,
+    select,
+    transform_into,
+    transport_for,
+    zeroed_means,
 )
+from demo_lightning.codec import lowpass_order
+from demo_lightning.codec.transform import tile_view
 from demo_lightning.comm import Communicator, StepTraffic, ddp_bytes_for
+from demo_lightning.validation import check_choice, check_number
 
 __all__ = [
-    "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorSettings",
-    "warn_if_stateful",
+    "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorEnergy",
+    "TensorSettings", "Update", "warn_if_stateful",
 ]
 
 DEMO_STATE_KEY = "demo_momentum"
+"""The name of the DeMo momentum among the states DES-LOC averages (``state_sync_every``), and the
+optimizer-state key where checkpoints of layout version 1 kept it."""
+Update = Literal["sign", "raw"]
 UPDATES: tuple[str, ...] = ("sign", "raw")
 
 
@@ -74,56 +101,41 @@ class DeMoConfig:
     Defaults (topk 64, 1-bit ``sign`` values with a per-tile scale, decay 0.99) were chosen by
     measurement on the bundled GPT job (``benchmarks/first_figures.py``): at about the paper's
     bytes per step (its topk 32 with fp32 values and int64 indices costs 3.7x more) they reached
-    the closest loss to AdamW + DDP. The paper's settings are ``topk=32, value_format="fp32",
-    decay=0.999``.
+    the closest loss to AdamW + DDP. The paper's settings are
+    ``DeMoConfig(CodecConfig(topk=32, value_format="fp32"), decay=0.999)``.
 
     Args:
-        chunk: tile side: 2-D views are cut into ``chunk`` x ``chunk`` tiles, 1-D into ``chunk``-long ones.
-        topk: coefficients kept per tile (clamped to the tile size). Default 64 when neither
-            ``topk`` nor ``keep_ratio`` is given.
-        keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
+        codec: how momenta are compressed on the wire (:class:`CodecConfig`: chunk, topk or
+            keep_ratio, selection, value_format, dense_below, bucket_cap_mb).
         decay: momentum decay beta in [0, 1) (the reference's ``compression_decay``; it used 0.999).
-        selection: ``"topk"`` (largest magnitudes, positions sent) or ``"lowpass"`` (fixed lowest
-            frequencies, no positions; all-reduced when ``value_format`` is a float format).
-        value_format: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"sign"``.
         update: ``"sign"`` writes ``sign(Q)`` into ``p.grad`` (plain SGD); ``"raw"`` writes ``Q``.
-        dense_below: tensors with fewer elements are all-reduced densely in fp32 (0 disables).
-        bucket_cap_mb: largest payload per collective, in megabytes.
     """
 
-    chunk: int = 64
-    topk: Optional[int] = None
-    keep_ratio: Optional[float] = None
+    codec: CodecConfig = field(default_factory=CodecConfig)
     decay: float = 0.99
-    selection: Literal["topk", "lowpass"] = "topk"
-    value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign"
-    update: Literal["sign", "raw"] = "sign"
-    dense_below: int = 4096
-    bucket_cap_mb: float = 25.0
+    update: Update = "sign"
+
+    @classmethod
+    def of(cls, **settings: Any) -> "DeMoConfig":
+        """Build from flat settings: :class:`CodecConfig`'s fields go to ``codec``, the rest
+        (``decay``, ``update``) to the exchange; e.g. ``DeMoConfig.of(topk=32, decay=0.999)``."""
+        names = {f.name for f in fields(CodecConfig)}
+        codec = {k: v for k, v in settings.items() if k in names}
+        own = {k: v for k, v in settings.items() if k not in names}
+        unknown = sorted(set(own) - {f.name for f in fields(cls)} - {"codec"})
+        if unknown:
+            raise TypeError(f"unknown DeMo setting(s) {unknown}; the codec takes {sorted(names)}, the exchange decay and update")
+        return cls(codec=CodecConfig(**codec), **own)
 
     def __post_init__(self) -> None:
-        _ = self.codec  # validates the codec fields
+        if not isinstance(self.codec, CodecConfig):
+            raise ValueError(f"codec must be a CodecConfig, got {type(self.codec).__name__}; e.g. DeMoConfig(CodecConfig(topk=32))")
         _check_decay(self.decay)
-        if self.update not in UPDATES:
-            raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
-
-    @property
-    def codec(self) -> CodecConfig:
-        """The codec part of the settings."""
-        return CodecConfig(
-            chunk=self.chunk, topk=self.topk, keep_ratio=self.keep_ratio, selection=self.selection,
-            value_format=self.value_format, dense_below=self.dense_below, bucket_cap_mb=self.bucket_cap_mb,
-        )
-
-    @property
-    def strength(self) -> tuple[Optional[int], Optional[float]]:
-        """``(topk, keep_ratio)`` with the default applied."""
-        return self.codec.strength
+        check_choice("update", self.update, UPDATES)
 
 
 def _check_decay(decay: Any) -> None:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
-        raise ValueError(f"decay must lie in [0, 1), got {decay!r}; the paper uses 0.999")
+    check_number("decay", decay, 0.0, 1.0, high_open=True, hint="the paper uses 0.999")
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,37 @@ class TensorSettings:
         return TensorCodec(topk=self.topk, keep_ratio=self.keep_ratio, chunk=self.chunk, dense=self.dense)
 
 
+@dataclass(frozen=True)
+class TensorEnergy:
+    """How much of one tensor's momentum energy (squared L2 norm) an exchange sent, on this worker.
+
+    The DCT is orthonormal, so ``total`` is the energy of all the momentum's coefficients (its
+    padding's residual included) and ``captured`` that of the selected ones before quantisation;
+    a dense tensor sends everything (``captured == total``, ``k == 0``). ``curve[k - 1]`` (only when
+    requested) is the fraction of ``total`` the best ``k`` coefficients per tile would keep (for
+    ``"lowpass"``: the ``k`` lowest frequencies), for ``k = 1..tile_numel``.
+    """
+
+    total: float
+    captured: float
+    k: int
+    tile_numel: int
+    n_tiles: int
+    curve: Optional[Tensor] = None
+
+    @property
+    def fraction(self) -> float:
+        """Captured fraction of the energy (1 for an all-zero momentum, which loses nothing)."""
+        return self.captured / self.total if self.total > 0 else 1.0
+
+    def k_for(self, target: float) -> int:
+        """Smallest ``k`` whose curve reaches ``target`` (the largest ``k`` if none does)."""
+        if self.curve is None:
+            raise ValueError("this TensorEnergy has no curve: call DeMoExchange.request_energy_curve() before the step")
+        hit = torch.nonzero(self.curve >= target - 1e-12)
+        return int(hit[0, 0]) + 1 if hit.numel() else int(self.curve.numel())
+
+
 @dataclass
 class ExchangeStats:
     """What the exchanges of this worker did: the last one, and running totals."""
@@ -170,17 +213,20 @@ class ExchangeStats:
     steps: int = 0
     total_seconds: float = 0.0
     total_comm_seconds: float = 0.0
+    tiled_elements: int = 0
     energy: list[TensorEnergy] = field(default_factory=list)
 
     @property
     def keep_ratio(self) -> float:
-        """Coefficients sent by the codec over the elements of the tensors it compressed (last step)."""
-        compressed = sum(e.n_tiles * e.tile_numel for e in self.energy if e.k > 0)
-        return self.coefficients / compressed if compressed else 1.0
+        """Coefficients sent by the codec over the (padded) elements of the tensors it compressed (last step)."""
+        return self.coefficients / self.tiled_elements if self.tiled_elements else 1.0
 
     @property
-    def energy_fraction(self) -> float:
-        """Fraction of the momenta's energy the last exchange sent (all tensors together)."""
+    def energy_fraction(self) -> Optional[float]:
+        """Fraction of the momenta's energy the last exchange sent (all tensors together); ``None``
+        unless that step measured energy (:meth:`DeMoExchange.request_energy`)."""
+        if not self.energy:
+            return None
         total = sum(e.total for e in self.energy)
         return sum(e.captured for e in self.energy) / total if total > 0 else 1.0
 
@@ -205,7 +251,8 @@ class DeMoExchange:
     """Attach the DeMo exchange to an optimizer (no Lightning needed).
 
     Call :meth:`step` after the backward pass and before ``optimizer.step()``; it replaces every
-    trainable parameter's ``grad`` with the shared update.
+    trainable parameter's ``grad`` with the shared update. As a step participant
+    (:mod:`~demo_lightning.algorithms.participants`) it does that in :meth:`before_update`.
 
     Args:
         optimizer: the optimizer whose parameters are exchanged (its ``param_groups`` order is the
@@ -214,28 +261,35 @@ class DeMoExchange:
         communicator: collectives and ledger; a fresh one over the default group by default.
     """
 
+    name = "demo"
+
     def __init__(self, optimizer: Optimizer, config: Optional[DeMoConfig] = None, communicator: Optional[Communicator] = None) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"DeMoExchange needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if config is not None and not isinstance(config, DeMoConfig):
+            raise TypeError(f"config must be a DeMoConfig, got {type(config).__name__}")
         self.optimizer = optimizer
         self.config = config if config is not None else DeMoConfig()
         self.comm = communicator if communicator is not None else Communicator()
         self.stats = ExchangeStats()
-        self._codec = CompressedMean(self.config.codec, self.comm)
-        self._hidden: dict[Tensor, Tensor] = {}
+        self.transport = transport_for(self.config.codec, self.comm)
+        self._momentum = SpectralMomentum()
         self._settings: dict[Tensor, TensorSettings] = {}
+        self._want_energy = False
         self._want_curve = False
         self._digest_key: Optional[tuple] = None
         self._digest = 0
-        self._hooks = [
-            optimizer.register_step_pre_hook(self._hide_state),
-            optimizer.register_step_post_hook(self._restore_state),
-        ]
+        self._plan: Optional[ExchangePlan] = None
+        self._plan_key: Optional[tuple] = None
+        self._workspace: Optional[Workspace] = None
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ settings
     def parameters(self) -> list[Tensor]:
         """Trainable parameters in exchange order (the optimizer's ``param_groups`` order)."""
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def _all_parameters(self) -> list[Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def set_tensor_settings(self, param: Tensor, settings: Optional[TensorSettings]) -> None:
         """Give ``param`` its own settings from the next step on (``None`` returns it to the config's)."""
@@ -259,86 +313,86 @@ class DeMoExchange:
         """Bytes this worker puts on the wire for ``param`` per exchange, under ``settings``
         (default: its current ones)."""
         own = settings if settings is not None else self.tensor_settings(param)
-        return self._codec.payload_bytes(tuple(param.shape), own.codec)
+        return self.config.codec.payload_bytes(tuple(param.shape), own.codec)
 
     def tile_numel(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
         """Elements per tile of ``param`` under ``settings`` (0 when it is sent densely)."""
         own = settings if settings is not None else self.tensor_settings(param)
-        layout, _ = self._codec.layout(tuple(param.shape), own.codec)
+        layout, _ = self.config.codec.layout(tuple(param.shape), own.codec)
         return layout.tile_numel if layout is not None else 0
 
     def k_of(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
         """Coefficients kept per tile of ``param`` under ``settings`` (0 when it is sent densely)."""
         own = settings if settings is not None else self.tensor_settings(param)
-        return self._codec.layout(tuple(param.shape), own.codec)[1]
+        return self.config.codec.layout(tuple(param.shape), own.codec)[1]
+
+    def request_energy(self) -> None:
+        """Make the next :meth:`step` measure every tensor's energy (``stats.energy``: two
+        reductions per family and one host read; nothing is measured otherwise)."""
+        self._want_energy = True
 
     def request_energy_curve(self) -> None:
         """Make the next :meth:`step` also compute every tensor's energy curve (a sort per tile)."""
-        self._want_curve = True
+        self._want_energy = self._want_curve = True
 
+    # ------------------------------------------------------------------ state
     def momentum(self, param: Tensor) -> Tensor:
-        """The local momentum (residual) of ``param``, created as zeros on first use."""
-        state = self.optimizer.state[param]
-        buf = state.get(DEMO_STATE_KEY)
-        if buf is None:
-            buf = self._hidden.pop(param, None)
-        if buf is None:
-            buf = torch.zeros(param.shape, dtype=compute_dtype(param.dtype), device=param.device)
-        state[DEMO_STATE_KEY] = buf
-        return buf
+        """The local momentum (residual) of ``param``, parameter-shaped: a new tensor (zeros before
+        its first exchange). Read-only access for monitors and tests; the state itself lives in
+        coefficient space (:mod:`~demo_lightning.algorithms.momentum`)."""
+        self._migrate_optimizer_state()
+        return self._momentum.dense(param)
 
-    def local_state(self) -> dict[int, Tensor]:
-        """This worker's momenta by parameter index (the optimizer ``state_dict`` numbering)."""
-        self.restore_state()
-        out: dict[int, Tensor] = {}
-        for index, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"]):
-            buf = self.optimizer.state.get(p, {}).get(DEMO_STATE_KEY)
-            if buf is not None:
-                out[index] = buf.detach().clone()
-        return out
+    def has_momentum(self, param: Tensor) -> bool:
+        """Whether ``param`` has a momentum on this worker (it took part in an exchange, or one was loaded)."""
+        return self._momentum.has(param)
 
-    def load_local_state(self, momenta: dict[int, Tensor]) -> None:
-        """Install momenta saved by :meth:`local_state` (same model; shapes are checked)."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for index, buf in momenta.items():
-            if not 0 <= int(index) < len(params):
-                raise ValueError(f"saved DeMo momentum for parameter {index}, but the optimizer has {len(params)}")
-            p = params[int(index)]
-            if tuple(buf.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"saved DeMo momentum for parameter {index} has shape {tuple(buf.shape)}, the parameter "
-                    f"{tuple(p.shape)}: the checkpoint comes from a different model"
-                )
-            self.optimizer.state[p][DEMO_STATE_KEY] = buf.to(dtype=compute_dtype(p.dtype), device=p.device).clone()
+    def averaged_state(self) -> dict[Tensor, Tensor]:
+        """The stored momentum of every exchanged parameter (spectra for compressed tensors), for
+        DES-LOC to average in place under the state key :data:`DEMO_STATE_KEY`. A mean of spectra
+        is the spectrum of the mean (the transform is linear); the layout is the same on every rank
+        because the plan is. Empty before the first step."""
+        if self._momentum.plan is None:
+            return {}
+        return dict(zip(self._momentum.params, self._momentum.views()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's exchange state: ``{"momentum": {"version": 2, "momenta": {index: ...}}}``
+        by parameter index (the optimizer ``state_dict`` numbering), copied."""
+        self._migrate_optimizer_state()
+        index_of = {p: i for i, p in enumerate(self._all_parameters())}
+        return {"momentum": self._momentum.state_dict(index_of)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Install state saved by :meth:`state_dict` (same model: shapes are checked). Also takes the
+        parameter-shaped momenta of layout version 1 (``{index: tensor}``, what checkpoints kept
+        before the momentum moved into the exchange). They take their place at the next step, re-tiled
+        if the per-tensor settings changed since."""
+        params = self._all_parameters()
+        if "momentum" in state:
+            self._momentum.load_state_dict(state["momentum"], params)
+        else:
+            self._momentum.load_dense(state, params)  # type: ignore[arg-type]
+        self._plan = self._plan_key = None  # adopt the loaded momenta at the next step
 
     def clear_state(self) -> None:
         """Drop every local momentum (they restart from zero)."""
-        self.restore_state()
-        for state in self.optimizer.state.values():
-            state.pop(DEMO_STATE_KEY, None)
+        self._momentum.clear()
 
-    def _hide_state(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        # Adam and others initialise a parameter's state only while it is empty: keep ours out of sight.
-        for p, state in optimizer.state.items():
-            buf = state.pop(DEMO_STATE_KEY, None)
-            if buf is not None:
-                self._hidden[p] = buf
-
-    def _restore_state(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self.restore_state()
-
-    def restore_state(self) -> None:
-        """Put momenta hidden during ``optimizer.step`` back (also safe after a failed step)."""
-        for p, buf in self._hidden.items():
-            self.optimizer.state[p][DEMO_STATE_KEY] = buf
-        self._hidden = {}
+    def _migrate_optimizer_state(self) -> None:
+        """Momenta of layout version 1 found in ``optimizer.state`` (an optimizer ``state_dict``
+        saved before the momentum moved into the exchange, loaded into the optimizer) move here."""
+        found = {}
+        for index, p in enumerate(self._all_parameters()):
+            state = self.optimizer.state.get(p)
+            if state and DEMO_STATE_KEY in state:
+                found[index] = state.pop(DEMO_STATE_KEY)
+        if found:
+            self._momentum.load_dense(found, self._all_parameters(), merge=True)
+            self._plan = self._plan_key = None
 
     def remove(self) -> None:
-        """Detach from the optimizer (the momenta stay in ``optimizer.state``)."""
-        self.restore_state()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Detach from the optimizer (nothing is registered on it; kept for symmetry with DES-LOC)."""
 
     # ------------------------------------------------------------------ plan agreement
     def plan_digest(self) -> int:
@@ -367,6 +421,19 @@ class DeMoExchange:
             "keep_ratio, chunk, dense: set the same TensorSettings on every rank at the same step)",
         )
 
+    def _prepare(self, params: list[Tensor]) -> tuple[ExchangePlan, Workspace]:
+        """The plan for the current tensors and settings; on a change the momenta are re-laid out
+        (re-tiled where the tiling changed) identically on every rank (the plan is agreed)."""
+        overrides = [self._settings[p].codec if p in self._settings else None for p in params]
+        key = tuple((id(p), tuple(p.shape), p.dtype, p.device, o) for p, o in zip(params, overrides))
+        if self._plan is None or key != self._plan_key:
+            self._plan = build_plan(self.config.codec, params, overrides)
+            self._plan_key = key
+            self._workspace = Workspace(self._plan)
+            self._momentum.adopt(self._plan, params)
+        assert self._workspace is not None
+        return self._plan, self._workspace
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, plan_agreed: bool = False) -> ExchangeStats:
@@ -379,44 +446,148 @@ class DeMoExchange:
                 ``RuntimeError`` instead of running mismatched collectives.
         """
         start = time.perf_counter()
-        cfg = self.config
-        self.restore_state()
         if not plan_agreed:
             self.check_plan()
+        self._migrate_optimizer_state()
         params = self.parameters()
+        plan, workspace = self._prepare(params)
         ledger = self.comm.ledger
-        overrides = [self._settings[p].codec if p in self._settings else None for p in params]
-        self._codec.plan(params, overrides)  # (re)planning checks layouts across ranks: outside the step window
         comm_before = self.comm.seconds
-        want_curve, self._want_curve = self._want_curve, False
+        want_energy, want_curve = self._want_energy, self._want_curve
+        self._want_energy = self._want_curve = False
+        world = self.comm.world_size
+        codec = self.config.codec
+        momentum = self._momentum
         ledger.begin_step()
         try:
-            momenta = [self.momentum(p) for p in params]
-            for p, m in zip(params, momenta):
-                m.mul_(self.decay_of(p))
-                if p.grad is not None:
-                    m.add_(p.grad.to(m.dtype))
-            shared, sent = self._codec(momenta, "demo", overrides, energy_curve=want_curve)
-            for p, m, q, s in zip(params, momenta, shared, sent):
-                m.sub_(s)  # error feedback: what was sent leaves the local momentum
-                update = (torch.sign(q) if cfg.update == "sign" else q).to(p.dtype)
-                if p.grad is None:
-                    p.grad = update.clone()
-                else:
-                    p.grad.copy_(update)
+            decays = [self.decay_of(p) for p in params]
+            grads = [p.grad for p in params]
+            # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
+            dense_pending = []
+            for key, group in plan.dense_groups.items():
+                flat = momentum.dense_storage[key]
+                for item in group:
+                    m = flat[item.span]
+                    m.mul_(decays[item.position])
+                    if grads[item.position] is not None:
+                        m.add_(grads[item.position].reshape(-1).to(m.dtype))
+                total = flat.clone()
+                dense_pending.append((group, flat, total, self.comm.all_reduce_sum_(total, "demo/dense")))
+            # encode: M <- decay M + DCT(g), then the selection of every family
+            transform_into(plan, grads, momentum.storage, workspace, decays)
+            energy = self._energy_before(plan, want_energy) if want_energy else None
+            selected: dict[object, Selected] = {}
+            for key, family in plan.families.items():
+                selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
+                if want_curve and energy is not None:
+                    energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
+            # transport: every bucket's collective is started before the first is waited on
+            pending = [
+                self.transport.start([Outgoing(run, selected[run.family.key].positions[run.rows], selected[run.family.key].values[run.rows])
+                                      for run in bucket], "demo")
+                for bucket in plan.buckets
+            ]
+            dense_means = []
+            for group, flat, total, work in dense_pending:
+                work.wait()
+                dense_means.append((group, flat, total))
+            # decode: rank-order sums into the mean spectra
+            means = zeroed_means(plan, workspace)
+            for waiting in pending:
+                accumulate(means, waiting.contributions(), selected)
+            # every collective completed: error feedback, then the updates
+            for bucket, waiting in zip(plan.buckets, pending):
+                for run, sent in zip(bucket, waiting.sent):
+                    chosen = selected[run.family.key]
+                    residual = chosen.values[run.rows] - sent
+                    momentum.storage[run.family.key].index_copy_(0, chosen.offsets[run.rows].reshape(-1), residual.reshape(-1))
+            for group, flat, total in dense_means:
+                total.div_(world)
+                for item in group:
+                    self._write_update(params[item.position], total[item.span].view(item.shape))
+                flat.zero_()  # everything was sent
+            inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
+            energies = self._energy_after(plan, energy, selected) if energy is not None else []
         finally:
-            n_trainable = sum(p.numel() for p in params)
-            traffic = ledger.end_step(ddp_bytes_for(params, self.comm.world_size))
+            traffic = ledger.end_step(ddp_bytes_for(params, world))
         seconds = time.perf_counter() - start
         comm_seconds = self.comm.seconds - comm_before
         st = self.stats
         st.traffic, st.seconds, st.comm_seconds = traffic, seconds, comm_seconds
-        st.coefficients, st.n_trainable = self._codec.coefficients, n_trainable
-        st.energy = self._codec.last_energy
+        st.coefficients, st.n_trainable = plan.coefficients, sum(p.numel() for p in params)
+        st.tiled_elements = sum(f.numel for f in plan.families.values())
+        st.energy = energies
         st.steps += 1
         st.total_seconds += seconds
         st.total_comm_seconds += comm_seconds
         return st
+
+    # ------------------------------------------------------------------ step participant
+    def before_update(self, step: StepContext) -> None:
+        """Participant hook: the exchange (its plan check skipped when the guard agreed on it)."""
+        self.step(plan_agreed=step.plan_agreed)
+
+    def after_update(self, step: StepContext) -> None:
+        return None
+
+    def _write_update(self, p: Tensor, q: Tensor) -> None:
+        """``p.grad <- sign(q)`` or ``q`` (``q``: the mean, ``R x C`` or parameter-shaped)."""
+        grad = p.grad
+        if grad is None or not grad.is_contiguous() or grad.shape != p.shape:
+            grad = p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+        target = grad.view(q.shape)
+        if self.config.update == "sign":
+            torch.sign(q, out=target) if target.dtype == q.dtype else target.copy_(torch.sign(q))
+        else:
+            target.copy_(q)
+
+    # ------------------------------------------------------------------ energy (on request only)
+    def _energy_before(self, plan: ExchangePlan, want: bool) -> dict[str, Any]:
+        totals = {}
+        for key, family in plan.families.items():
+            flat = self._momentum.storage[key]
+            totals[key] = torch.stack([flat[m.span].double().pow(2).sum() for m in family.members])
+        dense = {}
+        for key, group in plan.dense_groups.items():
+            flat = self._momentum.dense_storage[key]
+            dense[key] = torch.stack([flat[i.span].double().pow(2).sum() for i in group])
+        return {"totals": totals, "dense": dense, "curves": {}}
+
+    def _energy_curve(self, family: Any, magnitudes: Tensor, storage: Tensor) -> Tensor:
+        """Per tile, the energy of its best 1, 2, ... coefficients under the selection rule (rows
+        of ``(n_tiles, tile_numel)``, float64), from the magnitudes the selection just wrote."""
+        n, numel = family.n_tiles, family.tile_numel
+        if self.config.codec.selection == "topk":
+            squared = magnitudes[: n * numel].view(n, numel).double().pow(2)
+            ordered = squared.sort(dim=1, descending=True).values
+        else:
+            squared = torch.cat([_tile_rows(storage, m) for m in family.members]).double().pow(2)
+            ordered = squared[:, lowpass_order(*family.tile_shape, squared.device)]
+        return ordered.cumsum(1)
+
+    def _energy_after(self, plan: ExchangePlan, energy: dict[str, Any], selected: dict[object, Selected]) -> list[TensorEnergy]:
+        out: list[Optional[TensorEnergy]] = [None] * len(plan.tensors)
+        for key, family in plan.families.items():
+            values = selected[key].values.double().pow(2).sum(1)
+            lengths = torch.tensor([m.n_tiles for m in family.members], device=values.device)
+            captured = torch.segment_reduce(values, "sum", lengths=lengths).tolist()
+            totals = energy["totals"][key].tolist()
+            curve = energy["curves"].get(key)
+            for m, total, kept in zip(family.members, totals, captured):
+                c = None
+                if curve is not None:
+                    c = curve[m.rows].sum(0) / total if total > 0 else torch.ones(curve.shape[1], dtype=torch.float64)
+                out[m.position] = TensorEnergy(total, kept, m.k, family.tile_numel, m.n_tiles, c)
+        for key, group in plan.dense_groups.items():
+            for item, total in zip(group, energy["dense"][key].tolist()):
+                out[item.position] = TensorEnergy(total, total, 0, 0, 0)
+        return [e for e in out if e is not None]
+
+
+def _tile_rows(storage: Tensor, item: TensorPlan) -> Tensor:
+    """``item``'s tiles of ``storage`` as ``(n_tiles, tile_numel)`` rows (a copy)."""
+    assert item.layout is not None
+    return tile_view(storage[item.span].view(item.matrix_shape), item.layout).reshape(item.n_tiles, -1)
 
 
 _INHERIT = TensorSettings()

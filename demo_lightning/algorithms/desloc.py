@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -45,8 +45,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from demo_lightning.algorithms.compressed_mean import CodecConfig, CompressedMean, compute_dtype
+from demo_lightning.algorithms.compressed_mean import CompressedMean
+from demo_lightning.algorithms.config import CodecConfig, compute_dtype
 from demo_lightning.comm import Communicator
+from demo_lightning.validation import check_bool, check_number, check_period, check_periods
 
 __all__ = [
     "FIRST_MOMENT_KEYS",
@@ -100,11 +102,6 @@ def periods_from_betas(param_sync_every: int, optimizer: Optimizer) -> dict[str,
     return periods
 
 
-def _check_period(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer period >= 1 (optimizer steps between averages), got {value!r}")
-
-
 @dataclass(frozen=True)
 class DesLocConfig:
     """DES-LOC schedule.
@@ -136,29 +133,24 @@ class DesLocConfig:
 
     def __post_init__(self) -> None:
         if self.param_sync_every is not None:
-            _check_period("param_sync_every", self.param_sync_every)
+            check_period("param_sync_every", self.param_sync_every)
         if self.state_sync_every is not None:
-            if not isinstance(self.state_sync_every, Mapping):
-                raise ValueError(
-                    f"state_sync_every must map optimizer-state keys to periods, e.g. {{'exp_avg': 48, 'exp_avg_sq': 96}} "
-                    f"({{}}: never average states), got {self.state_sync_every!r}"
-                )
-            for key, period in self.state_sync_every.items():
-                if key in _NEVER_AVERAGED:
-                    raise ValueError(f"state_sync_every[{key!r}]: step counters are never averaged; remove {key!r}")
-                _check_period(f"state_sync_every[{key!r}]", period)
-        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
-            raise ValueError(f"clip_grad_norm must be > 0 (or None), got {self.clip_grad_norm!r}")
+            periods = check_periods(
+                "state_sync_every", self.state_sync_every, "optimizer-state keys",
+                "{'exp_avg': 48, 'exp_avg_sq': 96} ({}: never average states)",
+                never={key: "step counters are never averaged" for key in _NEVER_AVERAGED},
+            )
+            object.__setattr__(self, "state_sync_every", periods)
+        if self.clip_grad_norm is not None:
+            check_number("clip_grad_norm", self.clip_grad_norm, 0.0, low_open=True, hint="a total gradient norm, or None")
         for name in ("sync_buffers", "compress_params", "final_sync"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if self.compress_params and self.param_sync_every is None:
             raise ValueError(
                 "compress_params=True needs param_sync_every (the parameter sync it compresses): set param_sync_every, "
                 "or compress_params=False"
             )
-        if not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per all-reduce")
 
     @property
     def state_periods(self) -> dict[str, int]:
@@ -223,6 +215,14 @@ class DesLocAverager:
         if self._codec is not None:
             self.reset_anchor()
         self._hooks: list[Any] = []
+        self._sources: dict[str, Callable[[], Mapping[Tensor, Tensor]]] = {}
+
+    def add_state_source(self, key: str, tensors: Callable[[], Mapping[Tensor, Tensor]]) -> None:
+        """Average, under the state key ``key``, state that lives outside the optimizer: ``tensors()``
+        returns the stored tensors by parameter (any shape, the same on every rank; written in
+        place). The DeMo exchange registers its momentum (:meth:`DeMoExchange.averaged_state`)
+        as ``"demo_momentum"`` this way."""
+        self._sources[key] = tensors
 
     def reset_anchor(self) -> None:
         """Take the current parameters as the last synced point (compressed sync only).
@@ -254,6 +254,13 @@ class DesLocAverager:
             h.remove()
         self._hooks = []
 
+    # step participant hooks (demo_lightning.algorithms.participants)
+    def before_update(self, step: Any) -> None:
+        self.before_step()
+
+    def after_update(self, step: Any) -> None:
+        self.after_step()
+
     def before_step(self) -> None:
         """Clip this worker's gradients (if ``clip_grad_norm`` is set)."""
         if self.config.clip_grad_norm is not None:
@@ -282,8 +289,17 @@ class DesLocAverager:
         values: list[Tensor] = []
         targets: list[Optional[Tensor]] = []
         held: list[bool] = []
+        source = self._sources[key]() if key in self._sources else None
         for p in self.parameters():
-            value = self.optimizer.state.get(p, {}).get(key)
+            if source is not None:
+                value = source.get(p)
+                if value is not None:  # the source's own layout (e.g. spectra), agreed by its owner
+                    values.append(value)
+                    targets.append(value)
+                    held.append(True)
+                    continue
+            else:
+                value = self.optimizer.state.get(p, {}).get(key)
             if value is None:
                 values.append(torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device=p.device))
                 targets.append(None)
@@ -318,7 +334,7 @@ class DesLocAverager:
         configured = sorted(self.config.state_periods.items())
         fingerprint = [len(configured)] + [zlib.crc32(f"{k}={v}".encode()) for k, v in configured]
         self.comm.check_same(fingerprint, "desloc/keys", "the optimizer-state keys and periods to average (state_sync_every)")
-        present: set[str] = set()
+        present: set[str] = {key for key, tensors in self._sources.items() if tensors()}
         malformed: dict[str, str] = {}
         for p in self.parameters():
             for key, value in self.optimizer.state.get(p, {}).items():
@@ -332,7 +348,7 @@ class DesLocAverager:
         codes = [2 if key in malformed else int(key in present) for key, _ in configured]
         extra = int(bool(present - set(self.config.state_periods)))  # keys kept beside the averaged ones (a step counter)
         mine = torch.tensor([*codes, extra], dtype=torch.uint8, device=self.comm.device)
-        rows = [g.cpu().tolist() for g in self.comm.all_gather_bytes(mine, "desloc/keys", per_step=False)]
+        rows = [g.cpu().tolist() for g in self.comm.all_gather_bytes(mine, "desloc/keys", per_step=False).wait()]
         optimizer = type(self.optimizer).__name__
         periods: dict[str, int] = {}
         for index, (key, period) in enumerate(configured):
@@ -514,7 +530,7 @@ class DesLocAverager:
                 if held is not None:
                     parts.append(torch.tensor([float(held[j]) for j in bucket], dtype=dtype, device=device))
                 flat = torch.cat(parts)
-                self.comm.all_reduce_sum_(flat, tag)
+                self.comm.all_reduce_sum_(flat, tag).wait()
                 sizes = [tensors[j].numel() for j in bucket]
                 if held is None:
                     flat.div_(world)

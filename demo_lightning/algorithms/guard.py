@@ -28,7 +28,7 @@ collective raises on every rank after the process group's timeout if a peer does
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -42,6 +42,7 @@ __all__ = [
     "GUARD_TAG",
     "NONFINITE_POLICIES",
     "NonFiniteFlags",
+    "NonFiniteGuard",
     "NonFinitePolicy",
     "agree_nonfinite",
     "check_nonfinite_policy",
@@ -207,7 +208,7 @@ def gather_nonfinite(
     header = _flag_byte(params, loss, device)
     if digest is not None:  # torch.full: a kernel argument, no host-to-device copy
         header = torch.cat([header, torch.full((1,), digest, dtype=torch.int64, device=device).view(torch.uint8)])
-    rows = torch.stack(communicator.all_gather_bytes(header, tag)).cpu()  # the step's one host read
+    rows = torch.stack(communicator.all_gather_bytes(header, tag).wait()).cpu()  # the step's one host read
     digests = tuple(int(d) for d in rows[:, 1:].reshape(-1).clone().view(torch.int64).tolist()) if digest is not None else ()
     return NonFiniteFlags(tuple(int(b) for b in rows[:, 0].tolist()), digests)
 
@@ -215,3 +216,58 @@ def gather_nonfinite(
 def agree_nonfinite(params: Iterable[Tensor], loss: Any, communicator: Communicator, tag: str = GUARD_TAG) -> bool:
     """``True`` on every rank if any rank's loss or gradients hold a NaN or inf (see :func:`gather_nonfinite`)."""
     return bool(gather_nonfinite(params, loss, communicator, tag))
+
+
+class NonFiniteGuard:
+    """The guard as a step participant (:mod:`~demo_lightning.algorithms.participants`).
+
+    ``before_update`` runs :func:`gather_nonfinite` over ``params()`` and the step's loss on every
+    rank; with an ``exchange`` it also carries the exchange's plan digest, and if the digests differ
+    every rank runs :meth:`~demo_lightning.algorithms.DeMoExchange.check_plan`, which raises the same
+    ``RuntimeError`` everywhere; equal digests set ``step.plan_agreed``. On a non-finite value on
+    any rank: ``policy="raise"`` raises :meth:`NonFiniteFlags.error` on every rank;
+    ``policy="skip"`` drops every gradient (``p.grad = None``) and sets ``step.skip``, and
+    :attr:`skipped_steps` counts it. :attr:`last_flags` keeps the agreed flags.
+
+    Args:
+        params: the parameters whose gradients are checked (called at every step).
+        communicator: collectives and ledger.
+        policy: ``"skip"`` or ``"raise"``.
+        exchange: the DeMo exchange whose plan digest rides along (``None``: 1 byte per rank).
+    """
+
+    def __init__(
+        self, params: Callable[[], list[Tensor]], communicator: Communicator, policy: NonFinitePolicy = "skip",
+        exchange: Optional[Any] = None,
+    ) -> None:
+        self.params = params
+        self.comm = communicator
+        self.policy = check_nonfinite_policy(policy)
+        self.exchange = exchange
+        self.skipped_steps = 0
+        self.last_flags: Optional[NonFiniteFlags] = None
+
+    def before_update(self, step: Any) -> None:
+        params = self.params()
+        digest = self.exchange.plan_digest() if self.exchange is not None else None
+        flags = self.last_flags = gather_nonfinite(params, step.loss, self.comm, GUARD_TAG, digest=digest)
+        if self.exchange is not None:
+            if not flags.digests_agree:
+                self.exchange.check_plan()  # every rank learnt of the mismatch: all raise the same RuntimeError here
+            step.plan_agreed = True
+        if flags:
+            if self.policy == "raise":
+                raise flags.error(step.step)
+            for p in params:
+                p.grad = None
+            self.skipped_steps += 1
+            step.skip = True
+
+    def after_update(self, step: Any) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", self.skipped_steps))

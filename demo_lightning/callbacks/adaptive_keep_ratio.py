@@ -55,6 +55,7 @@ from demo_lightning.algorithms import DeMoExchange, TensorSettings
 from demo_lightning.callbacks.context import applied_steps, communicator_of, exchanges_of, named_trainable, total_steps
 from demo_lightning.callbacks.layer_policy import LayerPolicy
 from demo_lightning.schedules import Schedule, as_schedule
+from demo_lightning.validation import check_fraction, check_int, check_optional_int
 
 __all__ = ["AdaptiveKeepRatio"]
 
@@ -88,19 +89,14 @@ class AdaptiveKeepRatio(Callback):
         max_bytes_per_step: Optional[int] = None,
     ) -> None:
         self.keep_ratio = as_schedule(keep_ratio if keep_ratio is not None else _DEFAULT_RAMP, "keep_ratio", 0.0, 1.0, low_open=True)
-        if energy is not None and (isinstance(energy, bool) or not isinstance(energy, (int, float)) or not 0 < energy <= 1):
-            raise ValueError(f"energy must lie in (0, 1] (fraction of the momentum's energy to send), got {energy!r}")
-        for name, value in (("min_keep_ratio", min_keep_ratio), ("max_keep_ratio", max_keep_ratio)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+        if energy is not None:
+            energy = check_fraction("energy", energy, "fraction of the momentum's energy to send")
+        min_keep_ratio = check_fraction("min_keep_ratio", min_keep_ratio)
+        max_keep_ratio = check_fraction("max_keep_ratio", max_keep_ratio)
         if min_keep_ratio > max_keep_ratio:
             raise ValueError(f"min_keep_ratio ({min_keep_ratio}) must not exceed max_keep_ratio ({max_keep_ratio})")
-        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-            raise ValueError(f"update_every must be a positive integer (optimizer steps), got {update_every!r}")
-        if max_bytes_per_step is not None and (
-            isinstance(max_bytes_per_step, bool) or not isinstance(max_bytes_per_step, int) or max_bytes_per_step < 1
-        ):
-            raise ValueError(f"max_bytes_per_step must be a positive integer (bytes) or None, got {max_bytes_per_step!r}")
+        check_int("update_every", update_every, 1, "optimizer steps")
+        check_optional_int("max_bytes_per_step", max_bytes_per_step, 1, "bytes")
         self.energy = None if energy is None else float(energy)
         self.min_keep_ratio = float(min_keep_ratio)
         self.max_keep_ratio = float(max_keep_ratio)
@@ -162,7 +158,7 @@ class AdaptiveKeepRatio(Callback):
         if comm is not None and comm.world_size > 1:
             # on the communicator's device (NCCL takes no CPU tensor); one host read of the agreed sums
             local = torch.tensor(ks, dtype=torch.float64, device=comm.device)
-            comm.all_reduce_sum_(local, "adaptive/k")
+            comm.all_reduce_sum_(local, "adaptive/k").wait()
             ks = [k / comm.world_size for k in local.cpu().tolist()]
         for (p, e), k in zip(curves, ks):
             self.controller_k[self._names[p]] = min(e.tile_numel, math.ceil(k - 1e-9))
@@ -200,8 +196,8 @@ class AdaptiveKeepRatio(Callback):
                 continue
             field_name, value = got
             rule_ratio = float(value) if field_name == "keep_ratio" else min(1.0, int(value) / tile_numel)
-            topk, keep_ratio = exchange.config.strength
-            strategy_ratio = float(keep_ratio) if keep_ratio is not None else min(1.0, int(topk) / exchange.config.chunk**2)
+            topk, keep_ratio = exchange.config.codec.strength
+            strategy_ratio = float(keep_ratio) if keep_ratio is not None else min(1.0, int(topk) / exchange.config.codec.chunk**2)
             return rule_ratio / strategy_ratio
         return 1.0
 

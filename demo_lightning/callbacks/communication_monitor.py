@@ -49,6 +49,7 @@ from demo_lightning.callbacks.context import communicator_of, exchanges_of, name
 from demo_lightning.callbacks.layer_kinds import layer_kinds
 from demo_lightning.codec import dct2, plan_tiles, to_tiles
 from demo_lightning.comm import ByteLedger, CollectiveRecord
+from demo_lightning.validation import check_int, check_number, check_optional_int, is_number
 
 __all__ = ["CommunicationMonitor", "modeled_seconds"]
 
@@ -100,17 +101,14 @@ class CommunicationMonitor(Callback):
         bucket_cap_mb: float = 25.0,
     ) -> None:
         for name, value, low in (("log_every", log_every, 1), ("histogram_every", histogram_every, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low} (optimizer steps), got {value!r}")
-        if divergence_every is not None and (isinstance(divergence_every, bool) or not isinstance(divergence_every, int) or divergence_every < 1):
-            raise ValueError(f"divergence_every must be a positive integer or None, got {divergence_every!r}")
+            check_int(name, value, low, "optimizer steps", kind=f"an integer >= {low}")
+        check_optional_int("divergence_every", divergence_every, 1)
         bandwidths = [1.0, 10.0] if bandwidths_gbps is None else list(bandwidths_gbps)
-        if not bandwidths or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0 for b in bandwidths):
+        if not bandwidths or not all(is_number(b) and b > 0 for b in bandwidths):
             raise ValueError(f"bandwidths_gbps must be a non-empty list of positive numbers (Gbit/s), got {bandwidths_gbps!r}")
-        if isinstance(latency_ms, bool) or not isinstance(latency_ms, (int, float)) or latency_ms < 0:
+        if not (is_number(latency_ms) and latency_ms >= 0):
             raise ValueError(f"latency_ms must be a number >= 0 (milliseconds per hop), got {latency_ms!r}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, hint="DDP's bucket size, megabytes")
         self.log_every = log_every
         self.histogram_every = histogram_every
         self.bandwidths_gbps = [float(b) for b in bandwidths]
@@ -154,6 +152,13 @@ class CommunicationMonitor(Callback):
         self._groups = {p: _GROUP_OF_KIND[kinds[name]] for p, name in named_trainable(pl_module).items()}
         desloc = bool(getattr(trainer.strategy, "averagers", []))
         self._divergence_every = self.divergence_every if self.divergence_every is not None else (50 if desloc else None)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # the exchange measures energy only on request: ask for it in the steps whose metrics are logged
+        if (trainer.global_step + 1) % self.log_every == 0:
+            for exchange in exchanges_of(trainer):
+                exchange.request_energy()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -233,12 +238,12 @@ class CommunicationMonitor(Callback):
                 energy[2 * g] += e.captured
                 energy[2 * g + 1] += e.total
             energy[-2] += ex.stats.coefficients
-            energy[-1] += sum(e.n_tiles * e.tile_numel for e in ex.stats.energy if e.k > 0)
+            energy[-1] += ex.stats.tiled_elements
         comm = communicator_of(trainer)
         if comm is not None and comm.world_size > 1:
             # one small all-reduce on the communicator's device (NCCL takes no CPU tensor), one host read
             summed = torch.tensor(energy, dtype=torch.float64, device=comm.device)
-            comm.all_reduce_sum_(summed, "monitor/reduce")
+            comm.all_reduce_sum_(summed, "monitor/reduce").wait()
             energy = summed.cpu().tolist()
         out = {f"demo/energy_captured/{g}": energy[2 * i] / energy[2 * i + 1] for i, g in enumerate(groups) if energy[2 * i + 1] > 0}
         if energy[-1] > 0:
@@ -254,10 +259,10 @@ class CommunicationMonitor(Callback):
         # on the communicator's device (where Lightning keeps the parameters: no copy); one host read
         local = torch.cat([p.detach().reshape(-1).to(comm.device, torch.float64) for p in params])
         mean = local.clone()
-        comm.all_reduce_sum_(mean, "monitor/divergence")
+        comm.all_reduce_sum_(mean, "monitor/divergence").wait()
         mean /= comm.world_size
         spread = torch.stack([(local - mean).pow(2).sum(), mean.pow(2).sum() / comm.world_size])
-        comm.all_reduce_sum_(spread, "monitor/divergence")
+        comm.all_reduce_sum_(spread, "monitor/divergence").wait()
         spread_sum, norm2 = spread.cpu().tolist()
         variance = spread_sum / comm.world_size
         return math.sqrt(variance) / math.sqrt(norm2) if norm2 > 0 else 0.0
@@ -271,11 +276,11 @@ class CommunicationMonitor(Callback):
         coefficients: dict[str, list[Tensor]] = defaultdict(list)
         norms: dict[str, list[float]] = defaultdict(list)
         for ex in exchanges:
-            chunk = ex.config.chunk
+            chunk = ex.config.codec.chunk
             for p in ex.parameters():
-                residual = ex.optimizer.state.get(p, {}).get("demo_momentum")
-                if residual is None:
+                if not ex.has_momentum(p):
                     continue
+                residual = ex.momentum(p)
                 group = self._groups.get(p, "other")
                 norms[group].append(float(residual.norm()))
                 layout = plan_tiles(tuple(residual.shape), chunk)

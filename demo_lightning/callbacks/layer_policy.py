@@ -53,6 +53,7 @@ from demo_lightning.callbacks.context import applied_steps, exchanges_of, named_
 from demo_lightning.callbacks.layer_kinds import RULE_KINDS, kind_matches, layer_kinds
 from demo_lightning.codec import validate_strength
 from demo_lightning.schedules import Schedule, as_schedule
+from demo_lightning.validation import check_instance, check_optional_bool, check_optional_choice, check_optional_int
 
 __all__ = ["PRESETS", "LayerPolicy", "LayerRule"]
 
@@ -91,18 +92,15 @@ class LayerRule:
                 re.compile(self.pattern[3:])
             except re.error as err:
                 raise ValueError(f"LayerRule pattern {self.pattern!r} is not a valid regex: {err}") from None
-        if self.kind is not None and self.kind not in RULE_KINDS:
-            raise ValueError(f"LayerRule kind must be one of {RULE_KINDS} or None, got {self.kind!r}")
+        check_optional_choice("LayerRule kind", self.kind, RULE_KINDS)
         object.__setattr__(self, "beta", as_schedule(self.beta, "LayerRule beta", 0.0, 1.0, high_open=True))
         object.__setattr__(self, "keep_ratio", as_schedule(self.keep_ratio, "LayerRule keep_ratio", 0.0, 1.0, low_open=True))
         object.__setattr__(self, "lam", as_schedule(self.lam, "LayerRule lam", 0.0, float("inf")))
         if self.keep_ratio is not None and self.topk is not None:
             raise ValueError("a LayerRule sets either keep_ratio or topk, not both; drop one of them")
         validate_strength(self.topk, None)
-        if self.chunk is not None and (isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1):
-            raise ValueError(f"LayerRule chunk must be a positive integer (tile side), got {self.chunk!r}")
-        if self.dense is not None and not isinstance(self.dense, bool):
-            raise ValueError(f"LayerRule dense must be True, False or None, got {self.dense!r}")
+        check_optional_int("LayerRule chunk", self.chunk, 1, "tile side")
+        check_optional_bool("LayerRule dense", self.dense)
 
     def matches(self, name: str, kind: str) -> bool:
         if self.kind is not None and not kind_matches(self.kind, kind):
@@ -162,12 +160,10 @@ class LayerPolicy(Callback):
         preset: Optional[Literal["language", "vision"]] = None,
         print_settings: bool = True,
     ) -> None:
-        if preset is not None and preset not in PRESETS:
-            raise ValueError(f"preset must be one of {tuple(PRESETS)} or None, got {preset!r}")
+        check_optional_choice("preset", preset, tuple(PRESETS))
         rules = list(rules or [])
         for i, rule in enumerate(rules):
-            if not isinstance(rule, LayerRule):
-                raise ValueError(f"rules[{i}] must be a LayerRule, got {type(rule).__name__}")
+            check_instance(f"rules[{i}]", rule, LayerRule)
         self.rules = rules
         self.preset = preset
         self.print_settings = print_settings

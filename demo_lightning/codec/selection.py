@@ -21,6 +21,8 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
+from demo_lightning.validation import check_fraction, check_int
+
 __all__ = [
     "SELECTIONS", "Selection", "coefficients_per_tile", "lowpass_order", "lowpass_positions", "select", "validate_strength",
 ]
@@ -36,10 +38,10 @@ def validate_strength(topk: Optional[int], keep_ratio: Optional[float]) -> None:
             f"give either topk (coefficients per chunk) or keep_ratio (fraction of each chunk), not both "
             f"(got topk={topk}, keep_ratio={keep_ratio}); drop one of them"
         )
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0):
-        raise ValueError(f"topk must be a positive integer (coefficients kept per chunk), got {topk!r}")
-    if keep_ratio is not None and not (isinstance(keep_ratio, (int, float)) and 0.0 < float(keep_ratio) <= 1.0):
-        raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio!r}; e.g. keep_ratio=0.01 keeps 1% of each chunk")
+    if topk is not None:
+        check_int("topk", topk, 1, "coefficients kept per chunk")
+    if keep_ratio is not None:
+        check_fraction("keep_ratio", keep_ratio, "e.g. keep_ratio=0.01 keeps 1% of each chunk")
 
 
 def coefficients_per_tile(tile_numel: int, topk: Optional[int], keep_ratio: Optional[float]) -> int:

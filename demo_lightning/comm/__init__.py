@@ -1,6 +1,6 @@
 """Collectives and their byte ledger: the only place ``torch.distributed`` is called."""
 
-from demo_lightning.comm.collectives import CollectiveError, Communicator
+from demo_lightning.comm.collectives import CollectiveError, CollectiveWork, Communicator
 from demo_lightning.comm.ledger import (
     ByteLedger,
     CollectiveRecord,
@@ -17,6 +17,7 @@ __all__ = [
     "ByteLedger",
     "CollectiveError",
     "CollectiveRecord",
+    "CollectiveWork",
     "Communicator",
     "StepTraffic",
     "TagTotals",

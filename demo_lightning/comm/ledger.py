@@ -162,10 +162,14 @@ class ByteLedger:
 
     def record(
         self, op: CollectiveOp, tag: str, payload_bytes: int, world_size: int, root: int = 0, per_step: bool = True,
+        *, rank: int | None = None,
     ) -> CollectiveRecord:
         """Record one collective of ``payload_bytes`` handed in by this worker (in the open step's
-        traffic unless ``per_step`` is false; always in the totals)."""
-        sent, received = _modeled(op, payload_bytes, world_size, self.rank, root)
+        traffic unless ``per_step`` is false; always in the totals).
+
+        ``world_size``, ``root`` and ``rank`` are those of the group the collective ran over
+        (``rank`` ``None``: :attr:`rank`; a collective over a subgroup passes this worker's rank in it)."""
+        sent, received = _modeled(op, payload_bytes, world_size, self.rank if rank is None else rank, root)
         rec = CollectiveRecord(op, tag, int(payload_bytes), sent, received, world_size)
         totals = self.totals.setdefault(tag, TagTotals())
         totals.calls += 1

@@ -72,6 +72,8 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 from typing_extensions import override
 
+from demo_lightning.validation import check_number
+
 __all__ = ["STATE_KEY", "DecoupledMomentum", "decoupled_momentum_update"]
 
 STATE_KEY = "momentum_buffer"
@@ -83,28 +85,20 @@ def _momentum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF else dtype
 
 
-def _number(name: str, value: Any, valid: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a real number in {valid}, got {value!r}")
-    return float(value)
+# (low, high, low_open, high_open) of each option
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "lr": (0.0, math.inf, True, True),
+    "beta": (0.0, 1.0, False, True),
+    "lam": (0.0, math.inf, False, True),
+    "weight_decay": (0.0, math.inf, False, True),
+    "eps": (0.0, math.inf, True, True),
+}
 
 
 def _check(name: str, value: Any) -> None:
-    """Raise ``ValueError`` naming ``name`` if ``value`` is outside its valid range."""
-    if name == "lr":
-        if not 0 < _number(name, value, "(0, inf)") < math.inf:
-            raise ValueError(f"lr must lie in (0, inf), got {value!r}")
-    elif name == "beta":
-        if not 0 <= _number(name, value, "[0, 1)") < 1:
-            raise ValueError(f"beta must lie in [0, 1), got {value!r}")
-    elif name in ("lam", "weight_decay"):
-        if not 0 <= _number(name, value, "[0, inf)") < math.inf:
-            raise ValueError(f"{name} must lie in [0, inf), got {value!r}")
-    elif name == "eps":
-        if not 0 < _number(name, value, "(0, inf)") < math.inf:
-            raise ValueError(f"eps must lie in (0, inf), got {value!r}")
-    else:  # pragma: no cover - internal misuse
-        raise KeyError(name)
+    """Raise ``ValueError`` naming ``name`` if ``value`` is outside its valid range (``KeyError`` for an unknown name)."""
+    low, high, low_open, high_open = _RANGES[name]
+    check_number(name, value, low, high, low_open=low_open, high_open=high_open)
 
 
 @torch.no_grad()

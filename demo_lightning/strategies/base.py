@@ -37,8 +37,10 @@ from typing_extensions import override
 
 from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange, warn_if_stateful
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
-from demo_lightning.algorithms.guard import FIX, GUARD_TAG, NonFinitePolicy, check_nonfinite_policy, gather_nonfinite
+from demo_lightning.algorithms.guard import FIX, NonFiniteGuard, NonFinitePolicy, check_nonfinite_policy
+from demo_lightning.algorithms.participants import StepContext, StepParticipant, run_step
 from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_for, human_bytes
+from demo_lightning.validation import check_choice, is_number
 
 __all__ = ["CommunicationStrategy", "as_timedelta"]
 
@@ -50,7 +52,7 @@ def as_timedelta(timeout: Union[float, int, timedelta], name: str = "timeout") -
     """Seconds or a ``timedelta`` -> ``timedelta``; rejects non-positive values naming ``name``."""
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+    elif is_number(timeout):
         seconds = float(timeout)
     else:
         raise ValueError(f"{name} must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
@@ -60,12 +62,11 @@ def as_timedelta(timeout: Union[float, int, timedelta], name: str = "timeout") -
 
 
 def _check_start_method(start_method: Any) -> None:
-    allowed = get_args(StartMethod)
-    if start_method not in allowed:
-        raise ValueError(
-            f"start_method must be one of {allowed}, got {start_method!r}; 'popen' (the default) re-runs the script for "
-            "each local process, 'spawn' starts fresh interpreters (where re-running the command line is wrong, e.g. pytest)"
-        )
+    check_choice(
+        "start_method", start_method, get_args(StartMethod),
+        "'popen', the default, re-runs the script for each local process; 'spawn' starts fresh interpreters, for where "
+        "re-running the command line is wrong, e.g. pytest",
+    )
 
 
 def _check_backend(backend: Any) -> None:
@@ -168,6 +169,7 @@ class CommunicationStrategy(DDPStrategy):
         self._communicator: Optional[Communicator] = None
         self._exchanges: dict[int, DeMoExchange] = {}
         self._averagers: dict[int, DesLocAverager] = {}
+        self._participants: dict[int, list[StepParticipant]] = {}
         self.skipped_steps = 0  # optimizer steps skipped for non-finite values (checkpointed)
         self.last_step_skipped = False
         self._warned_skip = False
@@ -235,11 +237,29 @@ class CommunicationStrategy(DDPStrategy):
             if self.desloc_config is not None:
                 buffers = list(self.model.buffers()) if position == 0 else []
                 self._averagers[id(optimizer)] = DesLocAverager(optimizer, self.desloc_config, self.communicator, buffers)
+            self._participants[id(optimizer)] = self._build_participants(optimizer)
+
+    def _build_participants(self, optimizer: Optimizer) -> list[StepParticipant]:
+        """``[guard, (local clipping), (averager), (exchange)]``: see :meth:`optimizer_step`."""
+        exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
+        if exchange is None and averager is None:
+            return []
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        participants: list[StepParticipant] = [NonFiniteGuard(lambda: params, self.communicator, self.nonfinite, exchange)]
+        if exchange is not None:
+            participants.append(_LocalClipping(self, optimizer))
+        if averager is not None:
+            if exchange is not None:
+                averager.add_state_source(DEMO_STATE_KEY, exchange.averaged_state)
+            participants.append(averager)
+        if exchange is not None:
+            participants.append(exchange)
+        return participants
 
     def _detach(self) -> None:
         for exchange in self._exchanges.values():
             exchange.remove()
-        self._exchanges, self._averagers = {}, {}
+        self._exchanges, self._averagers, self._participants = {}, {}, {}
 
     @override
     def on_train_end(self) -> None:
@@ -306,51 +326,34 @@ class CommunicationStrategy(DDPStrategy):
         in an earlier micro-batch shows through the accumulated gradients.
         """
         raw = _unwrap(optimizer)
-        exchange, averager = self._exchanges.get(id(raw)), self._averagers.get(id(raw))
-        if exchange is None and averager is None:
+        participants = self._participants.get(id(raw))
+        if not participants:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        exchange = self._exchanges.get(id(raw))
         closure_result = closure()  # forward + backward of the last micro-batch
         params = [p for g in raw.param_groups for p in g["params"]]
-        skipped = False
+        step = StepContext(loss=closure_result, step=self._global_step())
+
+        def update() -> Any:
+            with _without_lightning_clipping(self.precision_plugin) if exchange is not None else nullcontext():
+                return super(CommunicationStrategy, self).optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
+
         self.ledger.begin_step()
         try:
-            digest = exchange.plan_digest() if exchange is not None else None
-            flags = gather_nonfinite(params, closure_result, self.communicator, GUARD_TAG, digest=digest)
-            if exchange is not None and not flags.digests_agree:
-                exchange.check_plan()  # every rank learnt of the mismatch: all raise the same RuntimeError here
-            if flags:
-                if self.nonfinite == "raise":
-                    raise flags.error(self._global_step())
-                for p in params:
-                    p.grad = None
-                skipped, output = True, closure_result
-            else:
-                if exchange is not None:
-                    # the local gradient is clipped before it enters the momentum; Lightning's own
-                    # clipping, which would clip the shared update, is switched off for this step
-                    self._clip_local_gradients(raw, model)
-                if averager is not None:
-                    averager.before_step()
-                if exchange is not None:
-                    exchange.step(plan_agreed=True)
-                try:
-                    with _without_lightning_clipping(self.precision_plugin) if exchange is not None else nullcontext():
-                        output = super().optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
-                finally:
-                    if exchange is not None:
-                        exchange.restore_state()
-                if averager is not None:
-                    averager.after_step()
+            output = run_step(participants, update, step)
         finally:
             trainable = [p for p in params if p.requires_grad]
             self.last_traffic = self.ledger.end_step(ddp_bytes_for(trainable, self.communicator.world_size))
-        self.last_step_skipped = skipped
-        if skipped:
+        self.last_step_skipped = step.skip
+        if step.skip:
+            output = closure_result
             self.skipped_steps += 1
             if not self._warned_skip:
                 self._warned_skip = True
+                guard = participants[0]
+                assert isinstance(guard, NonFiniteGuard) and guard.last_flags is not None
                 rank_zero_warn(
-                    f"{flags.summary(self._global_step())}. Skipped this optimizer step on every rank "
+                    f"{guard.last_flags.summary(self._global_step())}. Skipped this optimizer step on every rank "
                     "(nonfinite='skip'): parameters, optimizer state and exchange state are unchanged. Further skips "
                     f"are counted in guard/skipped_steps without a warning. If they recur: {FIX}; "
                     "nonfinite='raise' stops training instead."
@@ -410,7 +413,7 @@ class CommunicationStrategy(DDPStrategy):
         local: dict[str, Any] = {}
         exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
         if exchange is not None:
-            local["demo_momentum"] = exchange.local_state()
+            local["demo_exchange"] = exchange.state_dict()
         if averager is not None:
             state = optimizer.state_dict()
             local["optimizer"] = {**state, "state": _without_demo(state["state"])}
@@ -469,10 +472,32 @@ class CommunicationStrategy(DDPStrategy):
                     _copy_all(averager.buffers, mine["buffers"], "buffers")
             averager.load_state_dict(source["desloc"])
         if exchange is not None:
-            if mine is not None and "demo_momentum" in mine:
-                exchange.load_local_state(mine["demo_momentum"])
+            if mine is not None and "demo_exchange" in mine:
+                exchange.load_state_dict(mine["demo_exchange"])
+            elif mine is not None and "demo_momentum" in mine:  # layout version 1: parameter-shaped momenta by index
+                exchange.load_state_dict(mine["demo_momentum"])
             else:
                 exchange.clear_state()
+
+
+class _LocalClipping:
+    """Step participant: Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` on this
+    worker's own gradient, before the exchange (see :meth:`CommunicationStrategy.optimizer_step`)."""
+
+    def __init__(self, strategy: "CommunicationStrategy", optimizer: Optimizer) -> None:
+        self.strategy, self.optimizer = strategy, optimizer
+
+    def before_update(self, step: StepContext) -> None:
+        self.strategy._clip_local_gradients(self.optimizer, None)
+
+    def after_update(self, step: StepContext) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Any) -> None:
+        return None
 
 
 @contextmanager

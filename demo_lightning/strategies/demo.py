@@ -21,7 +21,6 @@ Refused with ``ValueError``: fp16 mixed precision with a GradScaler (use ``"bf16
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Literal, Optional, Union
 
@@ -97,13 +96,13 @@ class DeMoStrategy(CommunicationStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        demo = DeMoConfig(
+        demo = DeMoConfig.of(
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection,
             value_format=value_format, update=update, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every,
-            state_sync_every=dict(state_sync_every) if isinstance(state_sync_every, Mapping) else state_sync_every or {},
+            state_sync_every={} if state_sync_every is None else state_sync_every,  # None: no state averaging
             sync_buffers=True,
             bucket_cap_mb=bucket_cap_mb,
         )

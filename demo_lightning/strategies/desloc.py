@@ -12,7 +12,6 @@ Gradient clipping before the local step, as the paper assumes: ``Trainer(gradien
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Literal, Optional, Union
 
@@ -21,7 +20,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
-from demo_lightning.algorithms.compressed_mean import CodecConfig
+from demo_lightning.algorithms.config import CodecConfig
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
 from demo_lightning.strategies.base import CommunicationStrategy, StartMethod
@@ -92,20 +91,20 @@ class DesLocStrategy(CommunicationStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        desloc = DesLocConfig(
-            param_sync_every=param_sync_every,
-            state_sync_every=dict(state_sync_every) if isinstance(state_sync_every, Mapping) else state_sync_every,
-            sync_buffers=sync_buffers,
-            compress_params=compress_params,
-            codec=CodecConfig(
-                chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, value_format=value_format,
-                bucket_cap_mb=bucket_cap_mb,
-            ),
+        if param_sync_every is None:  # DesLocConfig allows None (DeMo's optional re-sync); DES-LOC needs a period
+            raise ValueError(
+                "param_sync_every must be an integer period >= 1 for strategy='desloc' (optimizer steps between parameter "
+                "averages), got None"
+            )
+        # the configs validate every setting, naming it
+        codec = CodecConfig(
+            chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, value_format=value_format,
             bucket_cap_mb=bucket_cap_mb,
-            final_sync=final_sync,
         )
-        if param_sync_every is None:
-            raise ValueError("param_sync_every must be an integer period >= 1 for strategy='desloc'")
+        desloc = DesLocConfig(
+            param_sync_every=param_sync_every, state_sync_every=state_sync_every, sync_buffers=sync_buffers,
+            compress_params=compress_params, codec=codec, bucket_cap_mb=bucket_cap_mb, final_sync=final_sync,
+        )
         super().__init__(
             None, desloc, process_group_backend, timeout, start_method,
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, nonfinite,

@@ -1,0 +1,129 @@
+"""Settings of the DeMo codec, declared once: the exchange (:class:`~demo_lightning.algorithms.DeMoConfig`)
+and DES-LOC's compressed parameter sync (:class:`~demo_lightning.algorithms.desloc.DesLocConfig`) both
+hold a :class:`CodecConfig`; :class:`TensorCodec` is one tensor's departures from it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from demo_lightning.codec import SELECTIONS, VALUE_FORMATS, Selection, TileLayout, ValueFormat, coefficients_per_tile, plan_tiles
+from demo_lightning.codec import segment_nbytes, validate_strength
+from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
+
+__all__ = ["DEFAULT_TOPK", "WIRE_DTYPES", "CodecConfig", "TensorCodec", "compute_dtype"]
+
+DEFAULT_TOPK = 64
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Transforms run in fp32 for half-precision tensors, else in the tensor's own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """How tensors are compressed on the wire.
+
+    Args:
+        chunk: tile side: 2-D views are cut into ``chunk`` x ``chunk`` tiles, 1-D into ``chunk``-long ones.
+        topk: coefficients kept per tile (clamped to the tile size); 64 when neither this nor
+            ``keep_ratio`` is given (1.6 % of a 64x64 tile; the paper used 32 with fp32 values).
+        keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
+        selection: ``"topk"`` (largest magnitudes, positions sent) or ``"lowpass"`` (fixed lowest
+            frequencies, no positions; all-reduced when ``value_format`` is a float format).
+        value_format: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"sign"``.
+        dense_below: tensors with fewer elements are all-reduced densely in fp32 (0 disables).
+        bucket_cap_mb: largest payload of one collective, in megabytes.
+    """
+
+    chunk: int = 64
+    topk: Optional[int] = None
+    keep_ratio: Optional[float] = None
+    selection: Selection = "topk"
+    value_format: ValueFormat = "sign"
+    dense_below: int = 4096
+    bucket_cap_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        check_int("chunk", self.chunk, 1, "tile side; the paper uses 64")
+        validate_strength(self.topk, self.keep_ratio)
+        check_choice("selection", self.selection, SELECTIONS)
+        check_choice("value_format", self.value_format, VALUE_FORMATS)
+        check_int("dense_below", self.dense_below, 0, "element count")
+        check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per collective")
+
+    @property
+    def strength(self) -> tuple[Optional[int], Optional[float]]:
+        """``(topk, keep_ratio)`` with the default applied."""
+        if self.topk is None and self.keep_ratio is None:
+            return DEFAULT_TOPK, None
+        return self.topk, self.keep_ratio
+
+    @property
+    def sends_positions(self) -> bool:
+        return self.selection == "topk"
+
+    @property
+    def all_reduces(self) -> bool:
+        """Low-pass values in a float format are summed by an all-reduce; everything else is all-gathered."""
+        return self.selection == "lowpass" and self.value_format in WIRE_DTYPES
+
+    def layout(self, shape: tuple[int, ...], own: Optional["TensorCodec"] = None) -> tuple[Optional[TileLayout], int]:
+        """``(tiles, k)`` for a tensor of ``shape`` under ``own``: ``(None, 0)`` when it is sent densely."""
+        own = own if own is not None else _INHERIT
+        numel = math.prod(shape)
+        if own.dense if own.dense is not None else numel < self.dense_below:
+            return None, 0
+        topk, keep_ratio = own.strength(self)
+        layout = plan_tiles(shape, own.chunk if own.chunk is not None else self.chunk)
+        return layout, coefficients_per_tile(layout.tile_numel, topk, keep_ratio)
+
+    def payload_bytes(self, shape: tuple[int, ...], own: Optional["TensorCodec"] = None) -> int:
+        """Bytes one worker hands to the collective for a tensor of ``shape`` (fp32 when dense)."""
+        layout, k = self.layout(shape, own)
+        if layout is None:
+            return 4 * math.prod(shape)
+        if self.all_reduces:
+            return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize
+        return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.value_format, self.sends_positions)
+
+
+@dataclass(frozen=True)
+class TensorCodec:
+    """One tensor's departures from the :class:`CodecConfig` (``None`` fields inherit it).
+
+    Per-layer policies and the adaptive keep ratio set these; every rank must set the same ones
+    (the plan's digest, compared across ranks at every step, includes them).
+
+    Args:
+        topk: coefficients kept per tile for this tensor.
+        keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
+        chunk: tile side for this tensor.
+        dense: ``True`` sends the whole tensor by an fp32 all-reduce, ``False`` compresses it
+            even below ``dense_below``.
+    """
+
+    topk: Optional[int] = None
+    keep_ratio: Optional[float] = None
+    chunk: Optional[int] = None
+    dense: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        validate_strength(self.topk, self.keep_ratio)
+        check_optional_int("chunk", self.chunk, 1, "tile side")
+        if self.dense is not None and not isinstance(self.dense, bool):
+            raise ValueError(f"dense must be True, False or None, got {self.dense!r}")
+
+    def strength(self, config: CodecConfig) -> tuple[Optional[int], Optional[float]]:
+        """``(topk, keep_ratio)`` for this tensor."""
+        if self.topk is None and self.keep_ratio is None:
+            return config.strength
+        return self.topk, self.keep_ratio
+
+
+_INHERIT = TensorCodec()

@@ -1,0 +1,243 @@
+"""The plan of an exchange: which tensors are compressed, how they are tiled, grouped and bucketed.
+
+Built from the tensors' shapes, dtypes and devices and their per-tensor codec settings alone (no
+data, no communication), so every rank that has the same tensors and settings builds the same
+plan. Stages read it:
+
+* a **family** is every compressed tensor with the same tile shape, ``k``, compute dtype and device.
+  Its tensors' coefficient matrices (``Rp x Cp`` each, see
+  :mod:`~demo_lightning.codec.transform`) are stored back to back in one flat buffer; the plan
+  gives each tile's first element there (``origins``) and its matrix's row length (``strides``),
+  so one selection, one gather and one scatter serve the whole family;
+* a **bucket** is one collective of at most ``bucket_cap_mb`` megabytes; within it a **run** is
+  consecutive tensors of one family, packed, sent and decoded together;
+* a **dense group** is the small tensors (below ``dense_below``) of one compute dtype and device,
+  summed by one fp32 all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from demo_lightning.algorithms.config import CodecConfig, TensorCodec, compute_dtype
+from demo_lightning.codec import TileLayout, lowpass_positions
+from demo_lightning.codec.transform import flat_index, tile_origins
+
+__all__ = ["ExchangePlan", "Family", "Run", "TensorPlan", "build_plan"]
+
+FamilyKey = tuple[tuple[int, int], int, torch.dtype, torch.device]
+
+
+@dataclass
+class TensorPlan:
+    """One input tensor's place in the plan."""
+
+    position: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # compute dtype
+    device: torch.device
+    layout: Optional[TileLayout] = None
+    k: int = 0
+    family: Optional[FamilyKey] = None
+    tile_offset: int = 0  # first row among the family's tiles
+    flat_offset: int = 0  # first element in the family's flat storage
+    nbytes: int = 0  # wire bytes per step
+
+    @property
+    def dense(self) -> bool:
+        return self.layout is None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n_tiles(self) -> int:
+        return self.layout.n_tiles if self.layout is not None else 0
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.tile_offset, self.tile_offset + self.n_tiles)
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """``(Rp, Cp)``: the padded coefficient matrix."""
+        assert self.layout is not None
+        return (self.layout.padded_rows, self.layout.padded_cols)
+
+    @property
+    def stored_numel(self) -> int:
+        """Elements this tensor takes in its family's storage (``Rp * Cp``) or, dense, its own."""
+        return self.layout.padded_rows * self.layout.padded_cols if self.layout is not None else self.numel
+
+    @property
+    def span(self) -> slice:
+        return slice(self.flat_offset, self.flat_offset + self.stored_numel)
+
+
+@dataclass
+class Family:
+    """Compressed tensors sharing tile shape, ``k``, compute dtype and device."""
+
+    key: FamilyKey
+    members: list[TensorPlan] = field(default_factory=list)
+
+    @property
+    def tile_shape(self) -> tuple[int, int]:
+        return self.key[0]
+
+    @property
+    def k(self) -> int:
+        return self.key[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.key[3]
+
+    @property
+    def tile_numel(self) -> int:
+        return self.tile_shape[0] * self.tile_shape[1]
+
+    @property
+    def n_tiles(self) -> int:
+        return sum(m.n_tiles for m in self.members)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the family's flat storage."""
+        return sum(m.stored_numel for m in self.members)
+
+    @cached_property
+    def origins(self) -> Tensor:
+        """``(n_tiles,)`` flat offset of each tile's first element in the family's storage."""
+        return torch.cat([tile_origins(m.layout, m.flat_offset, self.device) for m in self.members])  # type: ignore[arg-type]
+
+    @cached_property
+    def strides(self) -> Tensor:
+        """``(n_tiles,)`` row length (``Cp``) of each tile's matrix."""
+        return torch.cat([torch.full((m.n_tiles,), m.layout.padded_cols, dtype=torch.int64, device=self.device) for m in self.members])  # type: ignore[union-attr]
+
+    def offsets(self, positions: Tensor, rows: slice = slice(None)) -> Tensor:
+        """Flat storage offsets of in-tile ``positions`` ``(T, k)`` of the tiles ``rows``."""
+        return flat_index(positions, self.origins[rows], self.strides[rows], self.tile_shape[1])
+
+    @cached_property
+    def lowpass_positions(self) -> Tensor:
+        """``(n_tiles, k)``: the ``k`` lowest frequencies of every tile (a view of one row)."""
+        return lowpass_positions(*self.tile_shape, self.k, self.device).expand(self.n_tiles, self.k)
+
+    @cached_property
+    def lowpass_offsets(self) -> Tensor:
+        return self.offsets(self.lowpass_positions)
+
+
+@dataclass
+class Run:
+    """Consecutive tensors of one bucket and one family: consecutive rows of the family."""
+
+    family: Family
+    members: list[TensorPlan]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.members[0].tile_offset, self.members[-1].tile_offset + self.members[-1].n_tiles)
+
+    @property
+    def tiles(self) -> tuple[int, ...]:
+        return tuple(m.n_tiles for m in self.members)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
+
+    @property
+    def coefficients(self) -> int:
+        return sum(m.n_tiles for m in self.members) * self.family.k
+
+
+@dataclass
+class ExchangePlan:
+    """Everything the stages need to know about a list of tensors (see the module docstring)."""
+
+    config: CodecConfig
+    tensors: list[TensorPlan]
+    dense_groups: dict[tuple[torch.dtype, torch.device], list[TensorPlan]]
+    families: dict[FamilyKey, Family]
+    buckets: list[list[Run]]
+
+    @property
+    def coefficients(self) -> int:
+        """Coefficients one worker sends per exchange."""
+        return sum(f.n_tiles * f.k for f in self.families.values())
+
+    @property
+    def compressed_numel(self) -> int:
+        """Elements of the compressed tensors (unpadded)."""
+        return sum(m.numel for f in self.families.values() for m in f.members)
+
+    def fingerprint(self) -> list[int]:
+        """What must agree across ranks: count, then per tensor size, rank, dense, k, tile size and dtype."""
+        import zlib
+
+        values = [len(self.tensors)]
+        for t in self.tensors:
+            values += [t.numel, len(t.shape), int(t.dense), t.k, t.layout.tile_numel if t.layout else 0,
+                       zlib.crc32(str(t.dtype).encode())]
+        return values
+
+
+def build_plan(
+    config: CodecConfig,
+    tensors: Sequence[Tensor],
+    overrides: Optional[Sequence[Optional[TensorCodec]]] = None,
+) -> ExchangePlan:
+    """The plan for ``tensors`` (only their shapes, dtypes and devices are read) under ``config``
+    and per-tensor ``overrides`` (``None`` entries inherit the config)."""
+    if overrides is not None and len(overrides) != len(tensors):
+        raise ValueError(f"got {len(overrides)} per-tensor codec settings for {len(tensors)} tensors; give one per tensor (None inherits)")
+    items: list[TensorPlan] = []
+    for position, x in enumerate(tensors):
+        own = overrides[position] if overrides is not None else None
+        shape = tuple(x.shape)
+        layout, k = config.layout(shape, own)
+        item = TensorPlan(position, shape, compute_dtype(x.dtype), x.device, layout=layout, k=k)
+        if layout is not None:
+            item.family = (layout.tile_shape, k, item.dtype, item.device)
+            item.nbytes = config.payload_bytes(shape, own)
+        items.append(item)
+    dense_groups: dict[tuple[torch.dtype, torch.device], list[TensorPlan]] = {}
+    families: dict[Any, Family] = {}
+    cap = int(config.bucket_cap_mb * 1024 * 1024)
+    buckets: list[list[Run]] = []
+    size = 0
+    for item in items:
+        if item.dense:
+            group = dense_groups.setdefault((item.dtype, item.device), [])
+            item.flat_offset = sum(m.numel for m in group)
+            group.append(item)
+            continue
+        family = families.setdefault(item.family, Family(item.family))  # type: ignore[arg-type]
+        item.tile_offset = family.n_tiles
+        item.flat_offset = family.numel
+        if not buckets or size + item.nbytes > cap:
+            buckets.append([])
+            size = 0
+        bucket = buckets[-1]
+        if bucket and bucket[-1].family is family and family.members and bucket[-1].members[-1] is family.members[-1]:
+            bucket[-1].members.append(item)  # the family's next rows: same run
+        else:
+            bucket.append(Run(family, [item]))
+        family.members.append(item)
+        size += item.nbytes
+    return ExchangePlan(config, items, dense_groups, families, buckets)

@@ -1,0 +1,144 @@
+"""Transport stage: one bucket of selected coefficients onto the wire and back, as every rank's contribution.
+
+A transport is any object with :meth:`Transport.start`: it puts a bucket's runs in its wire
+format, launches one collective through the :class:`~demo_lightning.comm.Communicator` (which
+records it in the ledger) and returns a :class:`PendingBucket` at once. The pending bucket knows
+what this worker sent, as every receiver will decode it (:attr:`PendingBucket.sent`, for error
+feedback), and, once waited on, yields the contributions to sum, in a fixed order that is the same
+on every rank. Encode and decode do not depend on which transport runs.
+
+* :class:`AllGatherTransport` (``"topk"``, and ``"lowpass"`` with int8/sign values): positions
+  (bit-packed, only when they vary) and values in the value format, one ``uint8`` buffer per rank;
+  contributions are every rank's, rank order 0..W-1.
+* :class:`AllReduceTransport` (``"lowpass"`` with float values): the values at the fixed positions
+  in the wire dtype, summed by one all-reduce; each value saturates at
+  :func:`~demo_lightning.codec.saturation_limit` for ``W`` summands, so the sum stays finite and the
+  excess stays in the sender's residual. One contribution: the sum.
+
+Failure: a collective that does not complete raises :class:`~demo_lightning.comm.CollectiveError`
+from :meth:`PendingBucket.contributions` (the wait) after the process group's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from demo_lightning.algorithms.config import CodecConfig
+from demo_lightning.algorithms.stages.plan import Run
+from demo_lightning.codec import pack_segments, saturate, unpack_segments
+from demo_lightning.comm import CollectiveWork, Communicator
+
+__all__ = ["AllGatherTransport", "AllReduceTransport", "Contribution", "Outgoing", "PendingBucket", "Transport", "transport_for"]
+
+
+@dataclass
+class Outgoing:
+    """One run's selection on this worker: ``(tiles of the run, k)`` each."""
+
+    run: Run
+    positions: Tensor
+    values: Tensor
+
+
+@dataclass
+class Contribution:
+    """Coefficients to add into the mean: ``positions`` ``None`` means this worker's own (fixed) ones."""
+
+    run: Run
+    positions: Optional[Tensor]
+    values: Tensor
+
+
+class PendingBucket(Protocol):
+    sent: list[Tensor]
+    """Per run of the bucket, this worker's values as every receiver decodes them."""
+
+    def contributions(self) -> Iterator[Contribution]:
+        """Wait for the collective; yield what to sum, in the same order on every rank."""
+        ...
+
+
+class Transport(Protocol):
+    """Moves one bucket (see the module docstring)."""
+
+    def start(self, bucket: Sequence[Outgoing], tag: str) -> PendingBucket: ...
+
+
+class _GatheredBucket:
+    def __init__(self, outgoing: Sequence[Outgoing], sent: list[Tensor], work: CollectiveWork, config: CodecConfig) -> None:
+        self.outgoing, self.sent, self.work, self.config = outgoing, sent, work, config
+
+    def contributions(self) -> Iterator[Contribution]:
+        cfg = self.config
+        for rank_buf in self.work.wait():  # rank order 0..W-1 on every replica
+            offset = 0
+            for out in self.outgoing:
+                run = out.run
+                positions, values = unpack_segments(
+                    rank_buf[offset : offset + run.nbytes], run.tiles, run.family.k, run.family.tile_numel,
+                    cfg.value_format, cfg.sends_positions,
+                )
+                yield Contribution(run, positions, values.to(out.values.dtype))
+                offset += run.nbytes
+
+
+class AllGatherTransport:
+    """Every rank's positions and values, all-gathered in one ``uint8`` buffer per bucket."""
+
+    def __init__(self, config: CodecConfig, communicator: Communicator) -> None:
+        self.config, self.comm = config, communicator
+
+    def start(self, bucket: Sequence[Outgoing], tag: str) -> PendingBucket:
+        cfg = self.config
+        buffers, sent = [], []
+        for out in bucket:
+            run = out.run
+            buf, decoded = pack_segments(out.positions if cfg.sends_positions else None, out.values, run.tiles,
+                                         run.family.tile_numel, cfg.value_format)
+            buffers.append(buf)
+            sent.append(decoded.to(out.values.dtype))
+        payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
+        work = self.comm.all_gather_bytes(payload, f"{tag}/{'topk' if cfg.sends_positions else 'values'}")
+        return _GatheredBucket(bucket, sent, work, cfg)
+
+
+class _ReducedBucket:
+    def __init__(self, outgoing: Sequence[Outgoing], sent: list[Tensor], flat: Tensor, work: CollectiveWork) -> None:
+        self.outgoing, self.sent, self.flat, self.work = outgoing, sent, flat, work
+
+    def contributions(self) -> Iterator[Contribution]:
+        self.work.wait()
+        offset = 0
+        for out in self.outgoing:
+            n = out.values.numel()
+            yield Contribution(out.run, None, self.flat[offset : offset + n].view_as(out.values).to(out.values.dtype))
+            offset += n
+
+
+class AllReduceTransport:
+    """Values at fixed positions in the wire dtype, summed by one all-reduce per bucket."""
+
+    def __init__(self, config: CodecConfig, communicator: Communicator) -> None:
+        if not config.all_reduces:
+            raise ValueError(f"an all-reduce needs selection='lowpass' with a float value_format, got {config.selection!r}/{config.value_format!r}")
+        self.config, self.comm = config, communicator
+
+    def start(self, bucket: Sequence[Outgoing], tag: str) -> PendingBucket:
+        parts, sent = [], []
+        for out in bucket:
+            narrow = saturate(out.values, self.config.value_format, self.comm.world_size)
+            sent.append(narrow.to(out.values.dtype))
+            parts.append(narrow.reshape(-1))
+        flat = torch.cat(parts)  # a fresh buffer: the all-reduce sums in place
+        work = self.comm.all_reduce_sum_(flat, f"{tag}/lowpass")
+        return _ReducedBucket(bucket, sent, flat, work)
+
+
+def transport_for(config: CodecConfig, communicator: Communicator) -> Transport:
+    """The transport today's settings call for: an all-reduce for low-pass float values, else an all-gather."""
+    return AllReduceTransport(config, communicator) if config.all_reduces else AllGatherTransport(config, communicator)
