@@ -209,3 +209,32 @@ def test_the_exchange_and_the_guard_are_participants_of_a_plain_loop() -> None:
     run_step([guard, exchange], opt.step, StepContext(loss=torch.tensor(float("nan"))))
     assert torch.equal(model.weight, after_first) and exchange.stats.steps == 1 and guard.skipped_steps == 1
     assert guard.state_dict() == {"skipped_steps": 1}
+
+
+@pytest.mark.parametrize("value_format", ["sign", "fp32", "int8"])
+def test_an_exchange_step_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch, value_format: str) -> None:
+    """No ``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)`` or ``.numpy()`` in the step
+    (each would synchronise with a GPU), unless energy is requested."""
+    from demo_lightning.algorithms import DeMoConfig, DeMoExchange
+
+    model = torch.nn.Sequential(torch.nn.Linear(72, 40), torch.nn.Linear(40, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=4, value_format=value_format, dense_below=100)))
+    model(torch.randn(3, 72)).sum().backward()
+    exchange.step()  # the first step builds the plan (its caches are made once)
+    model(torch.randn(3, 72)).sum().backward()
+
+    def refuse(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"host read in the exchange step: Tensor.{name}")
+        return call
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    exchange.step(plan_agreed=True)
+    monkeypatch.undo()
+    exchange.request_energy()
+    with pytest.raises(AssertionError, match="host read"):  # negative control: energy is read back on request
+        for name in ("tolist",):
+            monkeypatch.setattr(torch.Tensor, name, refuse(name))
+        exchange.step(plan_agreed=True)

@@ -351,7 +351,8 @@ class DeMoExchange:
         """The stored momentum of every exchanged parameter (spectra for compressed tensors), for
         DES-LOC to average in place under the state key :data:`DEMO_STATE_KEY`. A mean of spectra
         is the spectrum of the mean (the transform is linear); the layout is the same on every rank
-        because the plan is. Empty before the first step."""
+        because the plan is. Empty before the first step and between a :meth:`load_state_dict` and the
+        next step (the loaded momenta are laid out by that step)."""
         if self._momentum.plan is None:
             return {}
         return dict(zip(self._momentum.params, self._momentum.views()))
@@ -475,7 +476,7 @@ class DeMoExchange:
                 dense_pending.append((group, flat, total, self.comm.all_reduce_sum_(total, "demo/dense")))
             # encode: M <- decay M + DCT(g), then the selection of every family
             transform_into(plan, grads, momentum.storage, workspace, decays)
-            energy = self._energy_before(plan, want_energy) if want_energy else None
+            energy = self._energy_before(plan) if want_energy else None
             selected: dict[object, Selected] = {}
             for key, family in plan.families.items():
                 selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
@@ -542,7 +543,7 @@ class DeMoExchange:
             target.copy_(q)
 
     # ------------------------------------------------------------------ energy (on request only)
-    def _energy_before(self, plan: ExchangePlan, want: bool) -> dict[str, Any]:
+    def _energy_before(self, plan: ExchangePlan) -> dict[str, Any]:
         totals = {}
         for key, family in plan.families.items():
             flat = self._momentum.storage[key]

@@ -192,7 +192,8 @@ class SpectralMomentum:
             self._replace(loose)
 
     def _replace(self, loose: dict[Tensor, _Loose]) -> None:
-        self.clear()
+        """Hold exactly ``loose`` (every momentum waits for the next :meth:`adopt`; no layout until then)."""
+        self.plan, self.params, self._index, self.storage, self.dense_storage = None, [], {}, {}, {}
         self._loose = loose
 
     def clear(self) -> None:
