@@ -54,7 +54,7 @@ import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import torch
 from torch import Tensor
@@ -91,7 +91,7 @@ DEMO_STATE_KEY = "demo_momentum"
 """The name of the DeMo momentum among the states DES-LOC averages (``state_sync_every``), and the
 optimizer-state key where checkpoints of layout version 1 kept it."""
 Update = Literal["sign", "raw"]
-UPDATES: tuple[str, ...] = ("sign", "raw")
+UPDATES: tuple[str, ...] = get_args(Update)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 ValueFormat = Literal["fp32", "bf16", "fp16", "int8", "sign"]
-VALUE_FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "sign")
+VALUE_FORMATS: tuple[str, ...] = get_args(ValueFormat)
 _FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SCALE_BYTES = 4
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 Selection = Literal["topk", "lowpass"]
-SELECTIONS: tuple[str, ...] = ("topk", "lowpass")
+SELECTIONS: tuple[str, ...] = get_args(Selection)
 
 
 def validate_strength(topk: Optional[int], keep_ratio: Optional[float]) -> None:

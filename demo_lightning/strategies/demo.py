@@ -22,7 +22,7 @@ Refused with ``ValueError``: fp16 mixed precision with a GradScaler (use ``"bf16
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -30,6 +30,8 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms import DeMoConfig, ExchangeStats
+from demo_lightning.algorithms.demo import Update
+from demo_lightning.codec import Selection, ValueFormat
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
 from demo_lightning.strategies.base import CommunicationStrategy, StartMethod
@@ -79,9 +81,9 @@ class DeMoStrategy(CommunicationStrategy):
         topk: Optional[int] = None,
         keep_ratio: Optional[float] = None,
         decay: float = 0.99,
-        selection: Literal["topk", "lowpass"] = "topk",
-        value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign",
-        update: Literal["sign", "raw"] = "sign",
+        selection: Selection = "topk",
+        value_format: ValueFormat = "sign",
+        update: Update = "sign",
         dense_below: int = 4096,
         bucket_cap_mb: float = 25.0,
         param_sync_every: Optional[int] = None,

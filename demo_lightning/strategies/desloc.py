@@ -13,7 +13,7 @@ Gradient clipping before the local step, as the paper assumes: ``Trainer(gradien
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -21,6 +21,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms.config import CodecConfig
+from demo_lightning.codec import Selection, ValueFormat
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
 from demo_lightning.strategies.base import CommunicationStrategy, StartMethod
@@ -77,8 +78,8 @@ class DesLocStrategy(CommunicationStrategy):
         chunk: int = 64,
         topk: Optional[int] = None,
         keep_ratio: Optional[float] = None,
-        selection: Literal["topk", "lowpass"] = "topk",
-        value_format: Literal["fp32", "bf16", "fp16", "int8", "sign"] = "sign",
+        selection: Selection = "topk",
+        value_format: ValueFormat = "sign",
         bucket_cap_mb: float = 25.0,
         final_sync: bool = True,
         process_group_backend: Optional[str] = None,
