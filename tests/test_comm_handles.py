@@ -241,3 +241,28 @@ def test_a_peer_that_never_joins_makes_wait_raise_within_the_timeout(tmp_path: P
         assert timeout_s * 0.6 < r["waited_s"] < timeout_s + 30, r
         assert r["seconds"] >= timeout_s * 0.6  # the waiting counts in the communicator's seconds
         assert r["completed_after"]
+
+
+def test_an_interrupted_wait_leaves_the_handle_pending() -> None:
+    """Only a backend error (a ``RuntimeError``) completes a handle as failed; an interrupt while
+    waiting (KeyboardInterrupt) propagates and a later ``wait()`` waits again."""
+    from demo_lightning.comm import CollectiveWork, Communicator
+
+    class _Work:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def wait(self) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyboardInterrupt
+
+        def is_completed(self) -> bool:
+            return self.calls > 1
+
+    backend = _Work()
+    work: CollectiveWork[str] = CollectiveWork("done", backend, communicator=Communicator(), op="all_reduce", tag="t")
+    with pytest.raises(KeyboardInterrupt):
+        work.wait()
+    assert not work.is_completed()
+    assert work.wait() == "done" and backend.calls == 2 and work.is_completed()

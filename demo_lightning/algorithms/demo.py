@@ -16,7 +16,8 @@ and orthonormal, so this is the paper's algorithm with two transforms per step i
     p.grad <- Q         (update="raw", the shared direction for any optimizer)
 
 Tensors with fewer than ``dense_below`` elements skip the codec: their whole momentum is summed
-by an fp32 all-reduce, divided by W, and their residual is cleared (everything was sent).
+by an all-reduce in the compute dtype (fp32 for half-precision parameters), divided by W, and
+their residual is cleared (everything was sent).
 
 Padded tiles: where a shape does not tile exactly the padding's residual is kept in ``M`` (see
 :mod:`~demo_lightning.algorithms.momentum`), where the parameter-space form would crop it each step.
@@ -39,9 +40,11 @@ Differences from the reference implementation (bloc97/DeMo), each deliberate:
 * collectives are bucketed: one collective per bucket of up to ``bucket_cap_mb`` megabytes, all
   started before the first is waited on.
 
-Failure behaviour: a collective that cannot complete raises on every rank after the process
-group's timeout, and the momenta are left as they were before the step (error feedback is applied
-only after every collective completed). Every step, before any data moves, every rank's plan
+Failure behaviour: a collective that cannot complete raises :class:`~demo_lightning.comm.CollectiveError`
+on the ranks that wait for it, after the process group's timeout. Parameters and gradients are then
+untouched, and error feedback is not applied (it runs only after every collective completed), but
+the momenta already hold this step's decayed gradient: such a step cannot be retried in place.
+Restart from a checkpoint (after a ``CollectiveError`` the process group is unusable anyway). Every step, before any data moves, every rank's plan
 digest (trainable tensors and their codec settings) is compared across ranks
 (:meth:`DeMoExchange.check_plan`, or the strategy's guard, which carries it): a rank whose tensors
 or settings changed alone makes every rank raise the same ``RuntimeError``.

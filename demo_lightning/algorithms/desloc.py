@@ -221,7 +221,10 @@ class DesLocAverager:
         """Average, under the state key ``key``, state that lives outside the optimizer: ``tensors()``
         returns the stored tensors by parameter (any shape, the same on every rank; written in
         place). The DeMo exchange registers its momentum (:meth:`DeMoExchange.averaged_state`)
-        as ``"demo_momentum"`` this way."""
+        as ``"demo_momentum"`` this way. When a sync of ``key`` runs, the source must hold a tensor
+        for every trainable parameter on every rank, laid out alike (the exchange does after each of
+        its steps, which is when the strategies sync): the mean is taken over the ranks that hold one,
+        and nothing is adopted into the optimizer's state."""
         self._sources[key] = tensors
 
     def reset_anchor(self) -> None:
@@ -501,6 +504,8 @@ class DesLocAverager:
         Adam's moments without its ``step`` counter would break its next step, so Adam-style states
         start from zero at this rank's first gradient for the parameter, as the optimizer itself does.
         """
+        if key in self._sources:  # state outside the optimizer: its owner lays it out, never adopted here
+            return []
         return [
             (p, key, mean) for p, h, mean in zip(params, held, means)
             if not h and mean is not _NOBODY and (self.optimizer.state.get(p) or self._adopt_into_empty)

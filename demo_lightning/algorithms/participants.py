@@ -14,8 +14,10 @@ optimizer, not to a trainer). Each participant keeps its own state and offers
 ``state_dict()`` / ``load_state_dict()``.
 
 Failure: a participant that raises stops the step there; the ones before it have run, the update
-has not (the guard raises before anything changes; the exchange and the averager leave their state
-as it was when a collective fails).
+has not. The guard raises before anything changes; DES-LOC's averaging writes nothing unless every
+one of its collectives completed; the exchange, when a collective fails, leaves parameters and
+gradients untouched but its momenta already hold the step's gradient (see
+:mod:`~demo_lightning.algorithms.demo`): resume such a run from a checkpoint.
 """
 
 from __future__ import annotations

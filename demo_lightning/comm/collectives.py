@@ -157,9 +157,11 @@ class CollectiveWork(Generic[T]):
             except RuntimeError as error:  # torch.distributed.DistError and the backends' errors derive from it
                 message = comm._failure_message(self._op, self._tag, time.perf_counter() - self._started, error, self._group)
                 self._error = _chained(CollectiveError(message), error)
-            finally:
+            except BaseException:  # interrupted while waiting (KeyboardInterrupt, ...): still pending, wait again later
                 comm.seconds += time.perf_counter() - start
-                self._work, self._keep = None, ()
+                raise
+            comm.seconds += time.perf_counter() - start
+            self._work, self._keep = None, ()
         if self._error is not None:
             raise self._error
         return self._result

@@ -244,8 +244,10 @@ class CommunicationStrategy(DDPStrategy):
         exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
         if exchange is None and averager is None:
             return []
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        participants: list[StepParticipant] = [NonFiniteGuard(lambda: params, self.communicator, self.nonfinite, exchange)]
+        def params() -> list[Tensor]:  # read at every step: a param group added later is checked too
+            return [p for g in optimizer.param_groups for p in g["params"]]
+
+        participants: list[StepParticipant] = [NonFiniteGuard(params, self.communicator, self.nonfinite, exchange)]
         if exchange is not None:
             participants.append(_LocalClipping(self, optimizer))
         if averager is not None:
