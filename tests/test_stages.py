@@ -238,3 +238,26 @@ def test_an_exchange_step_reads_nothing_back_to_the_host(monkeypatch: pytest.Mon
         for name in ("tolist",):
             monkeypatch.setattr(torch.Tensor, name, refuse(name))
         exchange.step(plan_agreed=True)
+
+
+def test_the_stages_run_inside_named_profiler_ranges() -> None:
+    """``torch.profiler`` (and so Lightning's PyTorchProfiler) shows the exchange's stages and the guard by name."""
+    from torch.profiler import profile
+
+    from demo_lightning.algorithms import DeMoConfig, DeMoExchange
+    from demo_lightning.algorithms.guard import NonFiniteGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(72, 40), torch.nn.Linear(40, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = Communicator()
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=4, dense_below=100)), comm)
+    guard = NonFiniteGuard(lambda: list(model.parameters()), comm, "skip", exchange)
+    model(torch.randn(3, 72)).sum().backward()
+    from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
+
+    averager = DesLocAverager(opt, DesLocConfig(param_sync_every=1, state_sync_every={}), comm)
+    with profile() as prof:
+        run_step([guard, averager, exchange], opt.step, StepContext(loss=torch.tensor(1.0)))
+    names = {event.name for event in prof.events()}
+    expected = {"guard/nonfinite", "demo/encode", "demo/transport", "demo/decode", "desloc/sync"}
+    assert expected <= names, sorted(n for n in names if "/" in n)

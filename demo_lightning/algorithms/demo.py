@@ -27,7 +27,10 @@ and values, or all-reduce of fixed positions), decode. Work per step: one forwar
 transform per compressed tensor, straight from and into the tensors' own memory (views when the
 shape tiles exactly); one ``topk`` per family of equal tiles; energy only when a callback asks
 (:meth:`DeMoExchange.request_energy`, :meth:`DeMoExchange.request_energy_curve`); no host
-synchronisation in the step (the collectives' own aside), so it runs the same on a GPU.
+synchronisation in the step (the collectives' own aside), so it runs the same on a GPU. Each stage
+runs inside a ``torch.profiler.record_function`` range (``demo/encode``, ``demo/transport``: the
+collectives, their waits and the unpacking, ``demo/decode``), so ``torch.profiler`` and Lightning's
+``PyTorchProfiler`` show where the exchange's time goes.
 
 Differences from the reference implementation (bloc97/DeMo), each deliberate:
 
@@ -62,6 +65,7 @@ from typing import Any, Literal, Optional, get_args
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.profiler import record_function
 
 from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec
 from demo_lightning.algorithms.momentum import SpectralMomentum
@@ -466,51 +470,54 @@ class DeMoExchange:
         try:
             decays = [self.decay_of(p) for p in params]
             grads = [p.grad for p in params]
-            # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
-            dense_pending = []
-            for key, group in plan.dense_groups.items():
-                flat = momentum.dense_storage[key]
-                for item in group:
-                    m = flat[item.span]
-                    m.mul_(decays[item.position])
-                    if grads[item.position] is not None:
-                        m.add_(grads[item.position].reshape(-1).to(m.dtype))
-                total = flat.clone()
-                dense_pending.append((group, flat, total, self.comm.all_reduce_sum_(total, "demo/dense")))
-            # encode: M <- decay M + DCT(g), then the selection of every family
-            transform_into(plan, grads, momentum.storage, workspace, decays)
-            energy = self._energy_before(plan) if want_energy else None
-            selected: dict[object, Selected] = {}
-            for key, family in plan.families.items():
-                selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
-                if want_curve and energy is not None:
-                    energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
-            # transport: every bucket's collective is started before the first is waited on
-            pending = [
-                self.transport.start([Outgoing(run, selected[run.family.key].positions[run.rows], selected[run.family.key].values[run.rows])
-                                      for run in bucket], "demo")
-                for bucket in plan.buckets
-            ]
-            dense_means = []
-            for group, flat, total, work in dense_pending:
-                work.wait()
-                dense_means.append((group, flat, total))
-            # decode: rank-order sums into the mean spectra
+            with record_function("demo/encode"):
+                # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
+                dense_totals = []
+                for key, group in plan.dense_groups.items():
+                    flat = momentum.dense_storage[key]
+                    for item in group:
+                        m = flat[item.span]
+                        m.mul_(decays[item.position])
+                        if grads[item.position] is not None:
+                            m.add_(grads[item.position].reshape(-1).to(m.dtype))
+                    dense_totals.append((group, flat, flat.clone()))
+                # M <- decay M + DCT(g), then the selection of every family
+                transform_into(plan, grads, momentum.storage, workspace, decays)
+                energy = self._energy_before(plan) if want_energy else None
+                selected: dict[object, Selected] = {}
+                for key, family in plan.families.items():
+                    selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
+                    if want_curve and energy is not None:
+                        energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
+            with record_function("demo/transport"):
+                # every collective is started before the first is waited on
+                dense_work = [self.comm.all_reduce_sum_(total, "demo/dense") for _, _, total in dense_totals]
+                pending = [
+                    self.transport.start([Outgoing(run, selected[run.family.key].positions[run.rows], selected[run.family.key].values[run.rows])
+                                          for run in bucket], "demo")
+                    for bucket in plan.buckets
+                ]
+                for work in dense_work:
+                    work.wait()
             means = zeroed_means(plan, workspace)
             for waiting in pending:
-                accumulate(means, waiting.contributions(), selected)
-            # every collective completed: error feedback, then the updates
-            for bucket, waiting in zip(plan.buckets, pending):
-                for run, sent in zip(bucket, waiting.sent):
-                    chosen = selected[run.family.key]
-                    residual = chosen.values[run.rows] - sent
-                    momentum.storage[run.family.key].index_copy_(0, chosen.offsets[run.rows].reshape(-1), residual.reshape(-1))
-            for group, flat, total in dense_means:
-                total.div_(world)
-                for item in group:
-                    self._write_update(params[item.position], total[item.span].view(item.shape))
-                flat.zero_()  # everything was sent
-            inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
+                with record_function("demo/transport"):
+                    contributions = list(waiting.contributions())  # waits, then unpacks every rank's bytes
+                with record_function("demo/decode"):
+                    accumulate(means, contributions, selected)  # rank-order sums into the mean spectra
+            with record_function("demo/decode"):
+                # every collective completed: error feedback, then the updates
+                for bucket, waiting in zip(plan.buckets, pending):
+                    for run, sent in zip(bucket, waiting.sent):
+                        chosen = selected[run.family.key]
+                        residual = chosen.values[run.rows] - sent
+                        momentum.storage[run.family.key].index_copy_(0, chosen.offsets[run.rows].reshape(-1), residual.reshape(-1))
+                for group, flat, total in dense_totals:
+                    total.div_(world)
+                    for item in group:
+                        self._write_update(params[item.position], total[item.span].view(item.shape))
+                    flat.zero_()  # everything was sent
+                inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
             energies = self._energy_after(plan, energy, selected) if energy is not None else []
         finally:
             traffic = ledger.end_step(ddp_bytes_for(params, world))

@@ -26,6 +26,8 @@ After local optimizer step ``t`` (counting from 1) on every worker::
 
   After the sync all workers hold the same ``x_sync``; what the codec dropped stays in ``e``.
 
+Profiling: each sync runs inside a ``torch.profiler.record_function`` range ``desloc/sync``.
+
 Failure behaviour: a sync is all-or-nothing. All collectives of a step run on copies; nothing is
 written back until every one has completed, so a sync that times out raises on the ranks that
 reach the timeout and leaves each rank's parameters and states as they were before it.
@@ -44,6 +46,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.profiler import record_function
 
 from demo_lightning.algorithms.compressed_mean import CompressedMean
 from demo_lightning.algorithms.config import CodecConfig, compute_dtype
@@ -381,7 +384,8 @@ class DesLocAverager:
         self._resolve_state_keys()
         names = self.due()
         if names:
-            self._sync(names)
+            with record_function("desloc/sync"):
+                self._sync(names)
         self.step_count += 1
         self.stats.steps = self.step_count
         if "params" in names:

@@ -34,6 +34,7 @@ from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from demo_lightning.comm import Communicator
 
@@ -250,7 +251,8 @@ class NonFiniteGuard:
     def before_update(self, step: Any) -> None:
         params = self.params()
         digest = self.exchange.plan_digest() if self.exchange is not None else None
-        flags = self.last_flags = gather_nonfinite(params, step.loss, self.comm, GUARD_TAG, digest=digest)
+        with record_function(GUARD_TAG):
+            flags = self.last_flags = gather_nonfinite(params, step.loss, self.comm, GUARD_TAG, digest=digest)
         if self.exchange is not None:
             if not flags.digests_agree:
                 self.exchange.check_plan()  # every rank learnt of the mismatch: all raise the same RuntimeError here
