@@ -125,3 +125,32 @@ def kill_launch(proc: Any, out: Path, script: Path) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+class IdenticalWorkers:
+    """A stand-in for ``world_size`` workers that all send this process's data, without processes:
+    every collective goes through a one-process :class:`~demo_lightning.comm.Communicator` (so the
+    ledger records it), then an all-gather returns ``world_size`` copies and an all-reduce ``world_size``
+    times the input. Everything else (``check_same``, ``ledger``, ``rank``, ...) is the one-process
+    communicator's."""
+
+    def __init__(self, world_size: int) -> None:
+        from demo_lightning.comm import Communicator
+
+        self._comm = Communicator()
+        self.world_size = world_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, *args: Any, **kwargs: Any) -> Any:
+        from demo_lightning.comm import CollectiveWork
+
+        gathered = self._comm.all_gather_bytes(buffer, tag, *args, **kwargs).wait()
+        return CollectiveWork.completed([b.clone() for b in gathered * self.world_size])
+
+    def all_reduce_sum_(self, tensor: torch.Tensor, tag: str, *args: Any, **kwargs: Any) -> Any:
+        from demo_lightning.comm import CollectiveWork
+
+        self._comm.all_reduce_sum_(tensor, tag, *args, **kwargs).wait()
+        return CollectiveWork.completed(tensor.mul_(self.world_size))

@@ -31,7 +31,7 @@ from demo_lightning.codec import (
     unpack_segment,
     unpack_segments,
 )
-from demo_lightning.comm import CollectiveWork
+from dist_helpers import IdenticalWorkers
 
 SHAPES = [(), (1,), (7,), (64,), (127,), (3, 5), (64, 64), (127, 131), (128, 192), (5, 3, 3, 3), (2, 3, 4, 5, 6)]
 
@@ -363,23 +363,6 @@ def test_saturate_passes_non_finite_values_and_names_bad_arguments() -> None:
 
 
 # ---------------------------------------------------------------------------- identical workers: when the mean is exact
-class _IdenticalWorkers:
-    """``world_size`` workers that all send this process's bytes (wraps a one-process Communicator)."""
-
-    def __init__(self, world_size: int) -> None:
-        from demo_lightning.comm import Communicator
-
-        self._comm = Communicator()
-        self.world_size = world_size
-
-    def __getattr__(self, name: str) -> object:  # check_same, ledger, ...: the one-process communicator's
-        return getattr(self._comm, name)
-
-    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, *args: object, **kwargs: object) -> CollectiveWork[list[torch.Tensor]]:
-        gathered = self._comm.all_gather_bytes(buffer, tag, *args, **kwargs).wait()
-        return CollectiveWork.completed([b.clone() for b in gathered * self.world_size])
-
-
 def test_sum_in_rank_order_divided_by_w_is_exact_only_for_w_1_2_4() -> None:
     # the arithmetic of the mean: contributions added in rank order into zeros, then divided by W
     def mean_of_copies(a: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -405,7 +388,7 @@ def test_identical_inputs_give_one_workers_mean_bitwise_only_for_w_1_2_4(world_s
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     config = CodecConfig(chunk=64, keep_ratio=1.0, value_format="fp32", dense_below=0)
     (single,), _ = CompressedMean(config, Communicator())([x], "t")
-    (mean,), (sent,) = CompressedMean(config, _IdenticalWorkers(world_size))([x], "t")  # type: ignore[arg-type]
+    (mean,), (sent,) = CompressedMean(config, IdenticalWorkers(world_size))([x], "t")  # type: ignore[arg-type]
     assert torch.equal(sent, single)
     if world_size in (1, 2, 4):
         assert torch.equal(mean, single)

@@ -27,7 +27,8 @@ from demo_lightning.algorithms.stages import (
 )
 from demo_lightning.codec import dct2, plan_tiles, to_tiles
 from demo_lightning.codec.transform import accumulate_spectrum, flat_index, inverse_spectrum, tile_origins, tile_view
-from demo_lightning.comm import CollectiveWork, Communicator
+from demo_lightning.comm import Communicator
+from dist_helpers import IdenticalWorkers
 
 SHAPES = [(128, 192), (40, 72), (100,), (7, 3, 3, 3), (), (1, 5)]
 
@@ -102,24 +103,6 @@ def test_select_keeps_the_k_largest_or_lowest_coefficients_of_every_tile(selecti
 
 
 # ---------------------------------------------------------------------------------------- transport + decode
-class _Workers:
-    """``world_size`` workers whose contributions are this one's, scaled by 1, 2, ... (no processes)."""
-
-    def __init__(self, world_size: int) -> None:
-        self._comm = Communicator()
-        self.world_size = world_size
-        self.rank = 0
-        self.ledger = self._comm.ledger
-
-    def all_gather_bytes(self, buffer: torch.Tensor, tag: str, *args: Any, **kwargs: Any) -> CollectiveWork[list[torch.Tensor]]:
-        self._comm.all_gather_bytes(buffer, tag, *args, **kwargs).wait()
-        return CollectiveWork.completed([buffer.clone() for _ in range(self.world_size)])
-
-    def all_reduce_sum_(self, tensor: torch.Tensor, tag: str, *args: Any, **kwargs: Any) -> CollectiveWork[torch.Tensor]:
-        self._comm.all_reduce_sum_(tensor, tag, *args, **kwargs).wait()
-        return CollectiveWork.completed(tensor.mul_(self.world_size))
-
-
 @pytest.mark.parametrize("config", [
     CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0),
     CodecConfig(chunk=32, topk=5, value_format="sign", dense_below=0),
@@ -129,7 +112,7 @@ class _Workers:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_transports_share_one_protocol_and_decode_gives_the_mean_of_what_was_sent(config: CodecConfig, world_size: int) -> None:
     x = [torch.randn(64, 96, generator=torch.Generator().manual_seed(4)), torch.randn(40, 72, generator=torch.Generator().manual_seed(5))]
-    comm = _Workers(world_size)
+    comm = IdenticalWorkers(world_size)
     transport = transport_for(config, comm)  # type: ignore[arg-type]
     assert isinstance(transport, AllReduceTransport if config.all_reduces else AllGatherTransport)
     plan = build_plan(config, x)

@@ -286,9 +286,11 @@ class DeMoExchange:
         self._want_curve = False
         self._digest_key: Optional[tuple] = None
         self._digest = 0
-        self._plan: Optional[ExchangePlan] = None
-        self._plan_key: Optional[tuple] = None
+        self._plan_key: Optional[tuple] = None  # what the momentum's current plan was built for
         self._workspace: Optional[Workspace] = None
+        # momenta of layout version 1 in optimizer.state: taken now, and whenever the optimizer loads a state dict
+        self._migrate_optimizer_state()
+        self._hooks = [optimizer.register_load_state_dict_post_hook(lambda _: self._migrate_optimizer_state())]
 
     # ------------------------------------------------------------------ settings
     def parameters(self) -> list[Tensor]:
@@ -347,7 +349,6 @@ class DeMoExchange:
         """The local momentum (residual) of ``param``, parameter-shaped: a new tensor (zeros before
         its first exchange). Read-only access for monitors and tests; the state itself lives in
         coefficient space (:mod:`~demo_lightning.algorithms.momentum`)."""
-        self._migrate_optimizer_state()
         return self._momentum.dense(param)
 
     def has_momentum(self, param: Tensor) -> bool:
@@ -367,7 +368,6 @@ class DeMoExchange:
     def state_dict(self) -> dict[str, Any]:
         """This worker's exchange state: ``{"momentum": {"version": 2, "momenta": {index: ...}}}``
         by parameter index (the optimizer ``state_dict`` numbering), copied."""
-        self._migrate_optimizer_state()
         index_of = {p: i for i, p in enumerate(self._all_parameters())}
         return {"momentum": self._momentum.state_dict(index_of)}
 
@@ -381,7 +381,7 @@ class DeMoExchange:
             self._momentum.load_state_dict(state["momentum"], params)
         else:
             self._momentum.load_dense(state, params)  # type: ignore[arg-type]
-        self._plan = self._plan_key = None  # adopt the loaded momenta at the next step
+        self._plan_key = None  # adopt the loaded momenta at the next step
 
     def clear_state(self) -> None:
         """Drop every local momentum (they restart from zero)."""
@@ -397,10 +397,13 @@ class DeMoExchange:
                 found[index] = state.pop(DEMO_STATE_KEY)
         if found:
             self._momentum.load_dense(found, self._all_parameters(), merge=True)
-            self._plan = self._plan_key = None
+            self._plan_key = None
 
     def remove(self) -> None:
-        """Detach from the optimizer (nothing is registered on it; kept for symmetry with DES-LOC)."""
+        """Detach from the optimizer (its ``load_state_dict`` hook); the momenta stay with the exchange."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # ------------------------------------------------------------------ plan agreement
     def plan_digest(self) -> int:
@@ -434,13 +437,14 @@ class DeMoExchange:
         (re-tiled where the tiling changed) identically on every rank (the plan is agreed)."""
         overrides = [self._settings[p].codec if p in self._settings else None for p in params]
         key = tuple((id(p), tuple(p.shape), p.dtype, p.device, o) for p, o in zip(params, overrides))
-        if self._plan is None or key != self._plan_key:
-            self._plan = build_plan(self.config.codec, params, overrides)
+        plan = self._momentum.plan
+        if plan is None or key != self._plan_key:
+            plan = build_plan(self.config.codec, params, overrides)
             self._plan_key = key
-            self._workspace = Workspace(self._plan)
-            self._momentum.adopt(self._plan, params)
+            self._workspace = Workspace(plan)
+            self._momentum.adopt(plan, params)
         assert self._workspace is not None
-        return self._plan, self._workspace
+        return plan, self._workspace
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -456,7 +460,6 @@ class DeMoExchange:
         start = time.perf_counter()
         if not plan_agreed:
             self.check_plan()
-        self._migrate_optimizer_state()
         params = self.parameters()
         plan, workspace = self._prepare(params)
         ledger = self.comm.ledger

@@ -78,8 +78,12 @@ class SpectralMomentum:
     def adopt(self, plan: ExchangePlan, params: list[Tensor]) -> None:
         """Lay the momenta out for ``plan`` (over ``params``, in plan order), converting each
         tensor's current momentum (see the module docstring); new tensors start at zero."""
+        staying = set(params)
         for p in self.params:  # a loaded momentum waiting for this layout wins over the one in storage
-            self._loose.setdefault(p, self._take(p))
+            if p not in self._loose:
+                # a view of the old storage serves a tensor that stays (nothing writes the old storage
+                # while the new one is filled); one that leaves the plan keeps a copy of its own
+                self._loose[p] = self._take(p, copy=p not in staying)
         storage = {key: torch.zeros(f.numel, dtype=f.dtype, device=f.device) for key, f in plan.families.items()}
         dense = {key: torch.zeros(sum(i.numel for i in group), dtype=key[0], device=key[1]) for key, group in plan.dense_groups.items()}
         self.plan, self.params, self.storage, self.dense_storage = plan, list(params), storage, dense
@@ -94,11 +98,12 @@ class SpectralMomentum:
             return self.dense_storage[(item.dtype, item.device)][item.span].view(item.shape)
         return self.storage[item.family][item.span].view(item.matrix_shape)
 
-    def _take(self, p: Tensor) -> _Loose:
-        """``p``'s momentum in the current storage, as a detached copy."""
+    def _take(self, p: Tensor, copy: bool) -> _Loose:
+        """``p``'s momentum in the current storage (a view of it, or a copy)."""
         assert self.plan is not None
         item = self.plan.tensors[self._index[p]]
-        return _Loose(self._target(item).clone(), item.layout)
+        value = self._target(item)
+        return _Loose(value.clone() if copy else value, item.layout)
 
     def _install(self, item: TensorPlan, loose: _Loose) -> None:
         target = self._target(item)

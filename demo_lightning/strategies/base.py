@@ -417,8 +417,7 @@ class CommunicationStrategy(DDPStrategy):
         if exchange is not None:
             local["demo_exchange"] = exchange.state_dict()
         if averager is not None:
-            state = optimizer.state_dict()
-            local["optimizer"] = {**state, "state": _without_demo(state["state"])}
+            local["optimizer"] = optimizer.state_dict()
             local["desloc"] = averager.state_dict()
             replica, buffers = averager.local_replica()  # this rank's own, also right after the final sync
             local["params"] = [p.clone() for p in replica]
@@ -435,7 +434,6 @@ class CommunicationStrategy(DDPStrategy):
         gathered = self.communicator.all_gather_object(self._local_state(optimizer), "checkpoint/per_rank_state")
         return {
             **state,
-            "state": _without_demo(state["state"]),
             _CHECKPOINT_KEY: {
                 "world_size": self.communicator.world_size,
                 "per_rank": gathered,
@@ -515,10 +513,6 @@ def _without_lightning_clipping(plugin: Precision) -> Iterator[None]:
 
 def _no_clipping(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _without_demo(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
-    return {index: {k: v for k, v in s.items() if k != DEMO_STATE_KEY} for index, s in state.items()}
 
 
 def _copy_all(targets: list[Tensor], sources: list[Tensor], what: str) -> None:

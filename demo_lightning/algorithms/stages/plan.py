@@ -18,6 +18,7 @@ plan. Stages read it:
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -188,8 +189,6 @@ class ExchangePlan:
 
     def fingerprint(self) -> list[int]:
         """What must agree across ranks: count, then per tensor size, rank, dense, k, tile size and dtype."""
-        import zlib
-
         values = [len(self.tensors)]
         for t in self.tensors:
             values += [t.numel, len(t.shape), int(t.dense), t.k, t.layout.tile_numel if t.layout else 0,
