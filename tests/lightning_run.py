@@ -10,6 +10,7 @@ whose fit raises writes the message to ``rank{R}.error`` before re-raising.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
 import demo_lightning
 from demo_lightning.data import TextDataModule
@@ -141,6 +143,14 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    finished: dict[str, int] = {}
+
+    def report_at_exit() -> None:  # registered before the strategy's exit handlers, so it runs after them
+        if "rank" in finished:
+            alive = dist.is_available() and dist.is_initialized()
+            (out / f"rank{finished['rank']}.exit").write_text(json.dumps({"process_group_alive": alive}))
+
+    atexit.register(report_at_exit)
     try:
         trainer.fit(model, datamodule=data, ckpt_path=args.ckpt_in)
     except Exception as error:
@@ -176,6 +186,7 @@ def main() -> None:
         "syncs": [dict(a.stats.syncs) for a in getattr(trainer.strategy, "averagers", [])],
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    finished["rank"] = trainer.global_rank
 
 
 if __name__ == "__main__":

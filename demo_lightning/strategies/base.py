@@ -13,6 +13,7 @@ world size restores the shared parts and restarts the per-rank parts from rank 0
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import ProgressBar
@@ -193,6 +195,20 @@ class CommunicationStrategy(DDPStrategy):
         return list(self._averagers.values())
 
     # ------------------------------------------------------------------ setup
+    @override
+    def setup_distributed(self) -> None:
+        """DDP's process group, destroyed at interpreter exit whatever its backend.
+
+        Lightning registers the destruction for NCCL only. A gloo group left to interpreter
+        finalisation can abort the process after training finished (``terminate called without an
+        active exception``, SIGABRT): its worker threads still hold work objects when the
+        interpreter tears down. A group the user created before the Trainer is the user's to destroy.
+        """
+        created = not dist.is_initialized()
+        super().setup_distributed()
+        if created and dist.is_initialized():
+            atexit.register(_destroy_dist_connection)  # a no-op if the group is already gone
+
     @override
     def setup(self, trainer: Trainer) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
