@@ -12,6 +12,7 @@ from demo_lightning.comm.ledger import (
     ring_all_gather_bytes,
     ring_all_reduce_bytes,
 )
+from demo_lightning.comm.topology import Link, NodeTopology
 
 __all__ = [
     "ByteLedger",
@@ -19,6 +20,8 @@ __all__ = [
     "CollectiveRecord",
     "CollectiveWork",
     "Communicator",
+    "Link",
+    "NodeTopology",
     "StepTraffic",
     "TagTotals",
     "ddp_bytes_for",

@@ -63,7 +63,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from demo_lightning.comm.ledger import ByteLedger
+from demo_lightning.comm.ledger import ByteLedger, CollectiveOp
+from demo_lightning.comm.topology import Link, NodeTopology
 
 __all__ = ["CollectiveError", "CollectiveWork", "Communicator", "default_device"]
 
@@ -183,6 +184,8 @@ class Communicator:
         timeout: the process group's collective timeout, named in error messages (``None``: unknown).
         device: where the collectives' tensors live (see the module docstring); ``None``:
             :func:`default_device` of ``group``. ``"cuda"`` without an index means the current one.
+        topology: which ranks of the default group share a node, for the ledger's link classes
+            (:mod:`~demo_lightning.comm.topology`); ``None``: every rank on one node.
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class Communicator:
         ledger: Optional[ByteLedger] = None,
         timeout: Optional[timedelta] = None,
         device: Union[torch.device, str, None] = None,
+        topology: Optional[NodeTopology] = None,
     ) -> None:
         self.group = group
         self.timeout = timeout
@@ -209,6 +213,17 @@ class Communicator:
         self.ledger = ledger if ledger is not None else ByteLedger(rank=self.rank)
         self.ledger.rank = self.rank
         self.seconds = 0.0  # wall time spent inside collectives: launching them and waiting for them
+        self.global_rank = dist.get_rank() if self.distributed else 0
+        default_world = dist.get_world_size() if self.distributed else 1
+        if topology is not None and not isinstance(topology, NodeTopology):
+            raise ValueError(f"topology must be a NodeTopology or None, got {type(topology).__name__}")
+        if topology is not None and topology.world_size != default_world:
+            raise ValueError(
+                f"topology describes {topology.world_size} ranks but the default process group has {default_world}; "
+                "build it from the job's world size and processes per node"
+            )
+        self.topology = topology if topology is not None else NodeTopology.single_node(default_world)
+        self._links: dict[int, tuple[Link, float]] = {}
 
     # ------------------------------------------------------------------ groups
     def _own(self, group: Optional[dist.ProcessGroup]) -> bool:
@@ -246,6 +261,27 @@ class Communicator:
         if pg is None:
             return group_rank
         return dist.get_global_rank(pg, group_rank)
+
+    def link_of(self, group: Optional[dist.ProcessGroup] = None) -> tuple[Link, float]:
+        """``(link class, inter-node share of this rank's sent bytes)`` of collectives over ``group``
+        (``None``: the communicator's own), from :attr:`topology` (cached per group)."""
+        pg = self.group if self._own(group) else group
+        key = id(pg)
+        found = self._links.get(key)
+        if found is None:
+            if not self.distributed:
+                ranks = [0]
+            elif pg is None:
+                ranks = list(range(dist.get_world_size()))
+            else:
+                ranks = list(dist.get_process_group_ranks(pg))
+            found = self._links[key] = (self.topology.link_of(ranks), self.topology.inter_share(ranks, self.global_rank))
+        return found
+
+    def _record(self, op: CollectiveOp, tag: str, payload_bytes: int, world: int, rank: int,
+                group: Optional[dist.ProcessGroup], *, root: int = 0, per_step: bool = True) -> None:
+        link, share = self.link_of(group)
+        self.ledger.record(op, tag, payload_bytes, world, root=root, per_step=per_step, rank=rank, link=link, inter_share=share)
 
     def active_in(self, group: Optional[dist.ProcessGroup]) -> bool:
         """Whether collectives over ``group`` (``None``: the communicator's own) actually cross processes."""
@@ -325,7 +361,7 @@ class Communicator:
             raise ValueError(f"all_gather_bytes expects a 1-D uint8 buffer, got {buffer.dtype} {tuple(buffer.shape)}")
         self._check_device("all_gather", tag, buffer)
         pg, rank, world = self._resolve("all_gather", tag, group)
-        self.ledger.record("all_gather", tag, buffer.numel(), world, per_step=per_step, rank=rank)
+        self._record("all_gather", tag, buffer.numel(), world, rank, pg, per_step=per_step)
         if not (self.distributed and world > 1):
             return CollectiveWork.completed([buffer])
         out = [torch.empty_like(buffer) for _ in range(world)]
@@ -336,7 +372,7 @@ class Communicator:
         place; ``wait()`` returns it, bitwise identical on every rank."""
         self._check_device("all_reduce", tag, tensor)
         pg, rank, world = self._resolve("all_reduce", tag, group)
-        self.ledger.record("all_reduce", tag, tensor.numel() * tensor.element_size(), world, rank=rank)
+        self._record("all_reduce", tag, tensor.numel() * tensor.element_size(), world, rank, pg)
         if not (self.distributed and world > 1):
             return CollectiveWork.completed(tensor)
         return self._launch("all_reduce", tag, pg, tensor, dist.all_reduce, tensor, op=dist.ReduceOp.SUM)
@@ -351,7 +387,7 @@ class Communicator:
         active = self.distributed and world > 1
         if active and not 0 <= src < world:
             raise ValueError(f"broadcast '{tag}': src={src} is not a rank of the group it runs over (ranks 0 to {world - 1})")
-        self.ledger.record("broadcast", tag, tensor.numel() * tensor.element_size(), world, root=src, rank=rank)
+        self._record("broadcast", tag, tensor.numel() * tensor.element_size(), world, rank, pg, root=src)
         if not active:
             return CollectiveWork.completed(tensor)
         return self._launch("broadcast", tag, pg, tensor, dist.broadcast, tensor, src=self._global_rank(src, pg))
@@ -386,8 +422,8 @@ class Communicator:
         torch.save(obj, stream)
         payload = torch.frombuffer(bytearray(stream.getvalue()), dtype=torch.uint8)
         if not self.active_in(group):
-            _, rank, world = self._resolve("all_gather", tag, group)
-            self.ledger.record("all_gather", tag, payload.numel(), world, rank=rank)
+            pg, rank, world = self._resolve("all_gather", tag, group)
+            self._record("all_gather", tag, payload.numel(), world, rank, pg)
             return [obj]
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         sizes = self.all_gather_bytes(size.view(torch.uint8), tag + "/sizes", group=group).wait()

@@ -12,6 +12,11 @@ The DDP baseline is what Lightning's ``DDPStrategy`` moves for the same model: a
 of every trainable parameter's gradient per optimizer step, each in its parameter's dtype,
 ``2 * (W - 1) / W * sum(numel * element_size)`` bytes per worker (``4 * n_trainable`` for fp32). The ratio reported is
 ``DDP bytes sent / our bytes sent`` (``100`` means 100x fewer bytes).
+
+Links: every record carries its link class (``"intra"`` inside a node, ``"inter"`` across nodes)
+and the share of its sent bytes charged to the inter-node link, which the communicator derives
+from its :class:`~demo_lightning.comm.topology.NodeTopology`; DDP's baseline on the inter-node link
+is its all-reduce charged the same way (``1 / G`` of its bytes per rank on ``G`` ranks per node).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from demo_lightning.comm.topology import Link
 
 __all__ = [
     "CollectiveRecord",
@@ -98,7 +105,8 @@ def _modeled(op: CollectiveOp, payload_bytes: int, world_size: int, rank: int, r
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective call as this worker saw it."""
+    """One collective call as this worker saw it: ``inter_node_bytes`` of its ``sent_bytes``
+    are charged to the inter-node link (0 for a group inside one node)."""
 
     op: CollectiveOp
     tag: str
@@ -106,6 +114,12 @@ class CollectiveRecord:
     sent_bytes: float
     received_bytes: float
     world_size: int
+    link: Link = "intra"
+    inter_node_bytes: float = 0.0
+
+    @property
+    def intra_node_bytes(self) -> float:
+        return self.sent_bytes - self.inter_node_bytes
 
 
 @dataclass
@@ -116,6 +130,7 @@ class TagTotals:
     payload_bytes: int = 0
     sent_bytes: float = 0.0
     received_bytes: float = 0.0
+    inter_node_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,11 +142,23 @@ class StepTraffic:
     payload_bytes: int
     calls: int
     ddp_bytes: float
+    inter_node_bytes: float = 0.0
+    ddp_inter_node_bytes: float = 0.0
+
+    @property
+    def intra_node_bytes(self) -> float:
+        """Sent bytes that stay inside the node."""
+        return self.sent_bytes - self.inter_node_bytes
 
     @property
     def ratio_vs_ddp(self) -> float:
         """How many times fewer bytes than DDP this step sent (1 when neither sends anything)."""
         return _ratio(self.ddp_bytes, self.sent_bytes)
+
+    @property
+    def inter_node_ratio_vs_ddp(self) -> float:
+        """How many times fewer bytes than DDP this step put on the inter-node link."""
+        return _ratio(self.ddp_inter_node_bytes, self.inter_node_bytes)
 
 
 def _ratio(ddp_bytes: float, sent_bytes: float) -> float:
@@ -158,24 +185,31 @@ class ByteLedger:
     steps_sent_bytes: float = 0.0
     steps_received_bytes: float = 0.0
     steps_ddp_bytes: float = 0.0
+    steps_inter_node_bytes: float = 0.0
+    steps_ddp_inter_node_bytes: float = 0.0
     _depth: int = 0
 
     def record(
         self, op: CollectiveOp, tag: str, payload_bytes: int, world_size: int, root: int = 0, per_step: bool = True,
-        *, rank: int | None = None,
+        *, rank: int | None = None, link: Link = "intra", inter_share: float = 0.0,
     ) -> CollectiveRecord:
         """Record one collective of ``payload_bytes`` handed in by this worker (in the open step's
         traffic unless ``per_step`` is false; always in the totals).
 
         ``world_size``, ``root`` and ``rank`` are those of the group the collective ran over
-        (``rank`` ``None``: :attr:`rank`; a collective over a subgroup passes this worker's rank in it)."""
+        (``rank`` ``None``: :attr:`rank`; a collective over a subgroup passes this worker's rank in it).
+        ``link`` is the group's link class and ``inter_share`` the fraction of the sent bytes charged
+        to the inter-node link (:meth:`~demo_lightning.comm.topology.NodeTopology.inter_share`)."""
+        if not 0.0 <= inter_share <= 1.0:
+            raise ValueError(f"inter_share must be in [0, 1], got {inter_share!r}")
         sent, received = _modeled(op, payload_bytes, world_size, self.rank if rank is None else rank, root)
-        rec = CollectiveRecord(op, tag, int(payload_bytes), sent, received, world_size)
+        rec = CollectiveRecord(op, tag, int(payload_bytes), sent, received, world_size, link, sent * inter_share)
         totals = self.totals.setdefault(tag, TagTotals())
         totals.calls += 1
         totals.payload_bytes += rec.payload_bytes
         totals.sent_bytes += sent
         totals.received_bytes += received
+        totals.inter_node_bytes += rec.inter_node_bytes
         if self._depth > 0 and per_step:
             self.step_records.append(rec)
         return rec
@@ -185,8 +219,9 @@ class ByteLedger:
             self.step_records = []
         self._depth += 1
 
-    def end_step(self, ddp_bytes: float) -> StepTraffic:
-        """Close a window; ``ddp_bytes`` is DDP's traffic for the same step (for the ratio)."""
+    def end_step(self, ddp_bytes: float, ddp_inter_node_bytes: float = 0.0) -> StepTraffic:
+        """Close a window; ``ddp_bytes`` is DDP's traffic for the same step (for the ratio) and
+        ``ddp_inter_node_bytes`` its share on the inter-node link."""
         if self._depth == 0:
             raise RuntimeError("end_step without begin_step")
         self._depth -= 1
@@ -196,6 +231,8 @@ class ByteLedger:
             payload_bytes=sum(r.payload_bytes for r in self.step_records),
             calls=len(self.step_records),
             ddp_bytes=ddp_bytes,
+            inter_node_bytes=sum(r.inter_node_bytes for r in self.step_records),
+            ddp_inter_node_bytes=ddp_inter_node_bytes,
         )
         if self._depth == 0:
             self.steps += 1
@@ -203,12 +240,19 @@ class ByteLedger:
             self.steps_sent_bytes += traffic.sent_bytes
             self.steps_received_bytes += traffic.received_bytes
             self.steps_ddp_bytes += ddp_bytes
+            self.steps_inter_node_bytes += traffic.inter_node_bytes
+            self.steps_ddp_inter_node_bytes += ddp_inter_node_bytes
         return traffic
 
     @property
     def cumulative_ratio_vs_ddp(self) -> float:
         """DDP's bytes over all closed steps divided by ours: the saving of a periodic schedule."""
         return _ratio(self.steps_ddp_bytes, self.steps_sent_bytes)
+
+    @property
+    def cumulative_inter_node_ratio_vs_ddp(self) -> float:
+        """DDP's inter-node bytes over all closed steps divided by ours."""
+        return _ratio(self.steps_ddp_inter_node_bytes, self.steps_inter_node_bytes)
 
     @property
     def total_sent_bytes(self) -> float:
