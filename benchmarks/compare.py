@@ -27,7 +27,10 @@ Ablations, run only when named in ``--methods``: ``desloc-compressed-int8`` (int
 compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps keeping 256 per tile),
 ``desloc-k16`` (dense syncs every 16 steps, moments every 48 / 96: what the period alone costs),
 ``desloc-compressed-local`` and ``-local-k8`` (moments never averaged; every 8 steps keeping 32),
-``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions).
+``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions),
+``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
+bytes per worker at 2 / 4 / 8 workers) and ``demo-shared-k48`` (the largest top-k with 100x fewer
+inter-node bytes than DDP at every world size, by ``benchmarks/scale.py``'s model).
 
 What is measured, per method and world size (every rank writes its own record; the parent merges):
 
@@ -152,6 +155,14 @@ for _k in (32, 64, 128):
         f"feedback) every {_k} steps, Adam moments never averaged", "desloc", "adamw", ADAMW_LR,
         {"param_sync_every": _k, "compress_params": True, "selection": "lowpass", "keep_ratio": 1.0, "value_format": "sign",
          "state_sync_every": {}},
+    )
+# selection="shared" (ScaleCom's cyclic local top-k, bf16 values all-reduced) at the bytes per worker of
+# demo-sign1bit's all-gather at 2, 4 and 8 workers (its bytes grow with W - 1, these do not): k 39, 78, 157
+for _k, _w in ((39, 2), (78, 4), (157, 8), (48, 0)):
+    METHODS[f"demo-shared-k{_k}"] = Method(
+        f"DeMo shared positions (cyclic leader's top-k {_k}/4096, broadcast), bf16 values all-reduced: "
+        + (f"demo-sign1bit's bytes at {_w} workers" if _w else "at least 100x fewer inter-node bytes than DDP at every W (planner)")
+        + ", SGD", "demo", "sgd", DEMO_LR, {"selection": "shared", "value_format": "bf16", "topk": _k},
     )
 
 

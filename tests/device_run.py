@@ -9,7 +9,8 @@ would land on the CPU on a GPU job, and the Communicator's device check (or gloo
 tensors derive from the parameters and keep their device. The control paths wrapped:
 
 * ``Communicator.check_same`` (codec fingerprint, DeMo plan, DES-LOC layouts) and
-  ``Communicator.all_gather_object`` (the checkpoint's per-rank state);
+  ``Communicator.all_gather_object`` (the agreement on a checkpoint's shards when resuming; saving
+  runs no collective: every rank writes its own shard);
 * the non-finite guard (``gather_nonfinite`` as the strategy calls it);
 * ``AdaptiveKeepRatio.on_train_batch_end`` (``adaptive/k``) and
   ``CommunicationMonitor.on_train_batch_end`` (``monitor/reduce``, ``monitor/divergence``).
@@ -93,7 +94,7 @@ def main() -> None:
     )
     model = GPTLightningModule(block_size=16, d_model=64, n_layer=1, n_head=2, optimizer="sgd", lr=1e-2, max_steps=args.steps)
     trainer.fit(model, TextDataModule(block_size=16, batch_size=2, max_bytes=20_000, max_val_bytes=1_000))
-    trainer.save_checkpoint(out / "last.ckpt")  # every rank gathers its own state: all_gather_object
+    trainer.save_checkpoint(out / "last.ckpt")  # every rank writes its own shard: no collective
     comm = trainer.strategy.communicator
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps({

@@ -9,6 +9,7 @@ error can only show once the Trainer, the optimizer or a checkpoint exist.
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -87,13 +88,16 @@ def _zero(params: list[nn.Parameter]) -> Any:
 
 
 def _checkpoint_from_two_workers(tmp_path: Path) -> None:
-    """A 1-process demo checkpoint rewritten as if 2 workers had saved it, then resumed by 1."""
+    """A 1-process demo checkpoint rewritten as if 2 workers had saved it, then resumed by 1 (its
+    momenta restart from zero: no shard is read, so the shards directory may as well be gone)."""
     ckpt = tmp_path / "two.ckpt"
     _fit(DeMoStrategy(dense_below=0)).save_checkpoint(ckpt)
     state = torch.load(ckpt, weights_only=True)
     extra = state["optimizer_states"][0]["demo_lightning"]
-    extra["world_size"], extra["per_rank"] = 2, [extra["per_rank"][0]] * 2
+    assert extra["layout"] == "shards"
+    extra["world_size"] = 2
     torch.save(state, ckpt)
+    shutil.rmtree(f"{ckpt}.shards")
     _fit(DeMoStrategy(dense_below=0), ckpt=ckpt, max_steps=3)
 
 
@@ -111,7 +115,10 @@ ROWS = [
     Row("demo-keep_ratio", lambda _: DeMoStrategy(keep_ratio=1.5), ValueError, r"keep_ratio", r"\(0, 1\].*e\.g\. keep_ratio=0\.01"),
     Row("demo-topk-and-keep_ratio", lambda _: DeMoStrategy(topk=4, keep_ratio=0.1), ValueError, r"topk.*keep_ratio", r"drop one of them"),
     Row("demo-decay", lambda _: DeMoStrategy(decay=1.0), ValueError, r"\bdecay\b", r"\[0, 1\).*paper uses 0\.999"),
-    Row("demo-selection", lambda _: DeMoStrategy(selection="random"), ValueError, r"selection", r"one of \('topk', 'lowpass'\)"),
+    Row("demo-selection", lambda _: DeMoStrategy(selection="random"), ValueError, r"selection", r"one of \('topk', 'lowpass', 'shared'\)"),
+    Row("demo-selection-shared-sign", lambda _: DeMoStrategy(selection="shared"), ValueError, r"selection='shared'.*value_format='sign'",
+        r"use value_format='fp32', 'bf16' or 'fp16'"),
+    Row("demo-hierarchy", lambda _: DeMoStrategy(hierarchy="rack"), ValueError, r"hierarchy", r"one of \('flat', 'node'\)"),
     Row("demo-value_format", lambda _: DeMoStrategy(value_format="fp8"), ValueError, r"value_format", r"one of \('fp32'"),
     Row("demo-update", lambda _: DeMoStrategy(update="adam"), ValueError, r"\bupdate\b", r"one of \('sign', 'raw'\)"),
     Row("demo-dense_below", lambda _: DeMoStrategy(dense_below=-1), ValueError, r"dense_below", r"non-negative integer"),
@@ -208,6 +215,9 @@ ROWS = [
     ),
     # CommunicationMonitor
     Row("monitor-log_every", lambda _: CommunicationMonitor(log_every=0), ValueError, r"log_every", r"integer >= 1"),
+    Row("monitor-inter_gbps", lambda _: CommunicationMonitor(inter_gbps=10), ValueError, r"inter_gbps and intra_gbps go together",
+        r"e\.g\. CommunicationMonitor\(inter_gbps=10, intra_gbps=400\)"),
+    Row("monitor-intra_gbps", lambda _: CommunicationMonitor(inter_gbps=10, intra_gbps=-1), ValueError, r"intra_gbps", r"must be > 0"),
     Row("monitor-histogram_every", lambda _: CommunicationMonitor(histogram_every=-1), ValueError, r"histogram_every", r"integer >= 0"),
     Row("monitor-bandwidths_gbps", lambda _: CommunicationMonitor(bandwidths_gbps=[]), ValueError, r"bandwidths_gbps", r"non-empty list of positive numbers"),
     Row("monitor-latency_ms", lambda _: CommunicationMonitor(latency_ms=-1), ValueError, r"latency_ms", r"number >= 0"),

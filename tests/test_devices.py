@@ -147,7 +147,8 @@ def test_two_process_fit_and_checkpoint_hand_every_collective_tensors_on_the_com
         assert {"all_gather", "all_reduce", "broadcast"} <= set(r["seen"])
         # ... including those of every control path run with the default device set to meta
         # (check_same: DES-LOC's layout check at every sync; the exchange's plan rides in the guard's all-gather)
-        for tag in ("desloc/layout", "demo/topk", "demo/dense", "guard/nonfinite", "adaptive/k", "monitor/reduce", "monitor/divergence",
-                    "checkpoint/per_rank_state", "checkpoint/per_rank_state/sizes"):
+        for tag in ("desloc/layout", "demo/topk", "demo/dense", "guard/nonfinite", "adaptive/k", "monitor/reduce", "monitor/divergence"):
             assert tag in r["tags"], (tag, r["tags"])
+        # saving a checkpoint runs no collective: every rank writes its own shard
+        assert not any(t.startswith("checkpoint/") for t in r["tags"]), r["tags"]
         assert any(t.startswith("desloc/") for t in r["tags"]), r["tags"]

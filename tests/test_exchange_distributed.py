@@ -69,6 +69,7 @@ CONFIGS = {
     "topk-sign": {"keep_ratio": 0.05, "dense_below": 100, "value_format": "sign", "update": "raw"},
     "lowpass-fp32": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "fp32"},
     "lowpass-int8": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "int8"},
+    "shared-bf16": {"topk": 8, "dense_below": 100, "selection": "shared", "value_format": "bf16"},
 }
 
 
@@ -78,7 +79,7 @@ def _train_each(rank: int, world: int, steps: int, same_data: bool, names: list[
 
 
 def test_two_ranks_with_identical_data_equal_one_rank_bitwise(tmp_path: Path) -> None:
-    names = ["topk-bf16", "lowpass-fp32"]
+    names = ["topk-bf16", "lowpass-fp32", "shared-bf16"]
     one = run_workers(_train_each, 1, tmp_path / "w1", 4, True, names)[0]
     two = run_workers(_train_each, 2, tmp_path / "w2", 4, True, names)
     for name in names:

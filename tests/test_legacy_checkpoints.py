@@ -19,7 +19,7 @@ Checked, for both fixtures, on both ranks:
    and global step advances past the fixture's; the restored momenta matter (the cleared control's
    first step differs); DES-LOC: the averager's schedule and sync counts continue from the JSON's;
 4. the new checkpoint carries layout version 2 under ``"demo_exchange"`` (no ``"demo_momentum"``),
-   each rank's own state bitwise.
+   each rank's own state bitwise, in that rank's own shard (``resumed.ckpt.shards/rank<r>.pt``).
 
 About 15-25 s on 2 CPU cores shared with other jobs (one launch: imports ~10 s per process).
 """
@@ -199,9 +199,12 @@ def test_new_checkpoint_has_layout_version_2_and_each_ranks_state(launch: Path, 
     assert saved["global_step"] == fixture["global_step"] + FITS[name]["steps"]
     (state,) = saved["optimizer_states"]
     assert all("demo_momentum" not in s for s in state["state"].values()), "momenta in the shared optimizer state"
-    extra = state["demo_lightning"]
-    assert extra["world_size"] == 2 and len(extra["per_rank"]) == 2
-    for r, entry in enumerate(extra["per_rank"]):
+    extra = state["demo_lightning"]  # the new checkpoint is sharded: each rank's state in its own file
+    assert extra["layout"] == "shards" and extra["world_size"] == 2 and "per_rank" not in extra
+    shards = [torch.load(launch / name / f"resumed.ckpt.shards/rank{r}.pt", map_location="cpu", weights_only=True) for r in range(2)]
+    assert [s["rank"] for s in shards] == [0, 1]
+    per_rank = [s["optimizers"][0] for s in shards]
+    for r, entry in enumerate(per_rank):
         assert "demo_momentum" not in entry, r
         momentum = entry["demo_exchange"]["momentum"]
         assert momentum["version"] == 2, r
@@ -213,9 +216,9 @@ def test_new_checkpoint_has_layout_version_2_and_each_ranks_state(launch: Path, 
             assert sha256_of(e["value"]) == live["momenta"][str(index)]["sha256"], f"rank {r}, parameter {index}: not this rank's state"
         if name == DESLOC:
             assert entry["desloc"]["step_count"] == saved["global_step"], r
-    mix = [extra["per_rank"][r]["demo_exchange"]["momentum"]["momenta"][int(MIX_WEIGHT)]["value"] for r in range(2)]
+    mix = [per_rank[r]["demo_exchange"]["momentum"]["momenta"][int(MIX_WEIGHT)]["value"] for r in range(2)]
     assert not torch.equal(mix[0], mix[1])  # each rank's own
     # compressed tensors are stored as spectra now: the layout names the tiling, not the parameter's shape
     for p in fixture["parameters"]:
-        entry = extra["per_rank"][0]["demo_exchange"]["momentum"]["momenta"][p["index"]]
+        entry = per_rank[0]["demo_exchange"]["momentum"]["momenta"][p["index"]]
         assert (entry["layout"] is None) == p["dense"], p

@@ -160,13 +160,25 @@ def _keys(record: dict[str, Any], suffix: str) -> list[str]:
 
 
 def _checkpoints(folder: Path) -> list[str]:
-    return sorted(p.name for p in (folder / "ckpt").iterdir())
+    """The checkpoint files of ``folder/ckpt``; each has its shard directory beside it, one file per
+    rank in it, and nothing else lies there (no leftover temporary files)."""
+    names = sorted(p.name for p in (folder / "ckpt").iterdir())
+    files = [n for n in names if n.endswith(".ckpt")]
+    assert names == sorted(files + [f"{n}.shards" for n in files]), names
+    for name in files:
+        assert sorted(p.name for p in (folder / "ckpt" / f"{name}.shards").iterdir()) == ["rank0.pt", "rank1.pt"], name
+    return files
 
 
 def _per_rank_checkpoint(path: Path) -> dict[str, Any]:
+    """The main file's record plus ``per_rank``: every rank's entry, read from its own shard."""
     checkpoint = torch.load(path, weights_only=True)  # tensors and primitives only
     (state,) = checkpoint["optimizer_states"]
-    return {"global_step": checkpoint["global_step"], **state["demo_lightning"]}
+    extra = state["demo_lightning"]
+    assert extra["layout"] == "shards" and extra["world_size"] == 2 and "per_rank" not in extra, extra
+    shards = [torch.load(f"{path}.shards/rank{r}.pt", weights_only=True) for r in range(2)]
+    assert [(s["rank"], s["world_size"], s["global_step"]) for s in shards] == [(r, 2, checkpoint["global_step"]) for r in range(2)]
+    return {"global_step": checkpoint["global_step"], **extra, "per_rank": [s["optimizers"][0] for s in shards]}
 
 
 def _assert_same_steps(ref: list[dict[str, Any]], records: list[list[dict[str, Any]]], steps: range, what: str) -> None:

@@ -71,6 +71,8 @@ def test_registered_name_builds_the_strategy() -> None:
         ({"selection": "random"}, "selection"),
         ({"update": "nesterov"}, "update"),
         ({"timeout": 0}, "timeout"),
+        ({"hierarchy": "rack"}, "hierarchy"),
+        ({"selection": "shared"}, r"selection='shared'.*value_format"),  # the default 1-bit values cannot be summed
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(kwargs: dict, names: str) -> None:
@@ -90,6 +92,15 @@ def test_single_device_fit_logs_comm_metrics_and_keeps_momentum_in_the_exchange(
     assert all("exp_avg" in opt.state[p] and "demo_momentum" not in opt.state[p] for p in model.parameters())
     assert all(exchange.has_momentum(p) for p in model.parameters())
     assert trainer.strategy.last_stats.steps == 4
+
+
+@pytest.mark.usefixtures("isolated_process_group")
+def test_node_hierarchy_on_one_process_warns_and_runs_flat() -> None:
+    trainer = _trainer(strategy=DeMoStrategy(hierarchy="node", update="raw", dense_below=100))
+    with pytest.warns(UserWarning, match="hierarchy='node' needs several nodes of several processes.*running flat"):
+        trainer.fit(_Classifier("adamw"), _loader())
+    assert trainer.strategy.node_groups is None and trainer.strategy.last_stats.steps == 4
+    assert "comm/inter_node_bytes_per_step" in trainer.callback_metrics
 
 
 @pytest.mark.usefixtures("isolated_process_group")

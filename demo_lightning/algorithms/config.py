@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import torch
 
-from demo_lightning.codec import SELECTIONS, VALUE_FORMATS, Selection, TileLayout, ValueFormat, coefficients_per_tile, plan_tiles
-from demo_lightning.codec import segment_nbytes, validate_strength
+from demo_lightning.codec import VALUE_FORMATS, TileLayout, ValueFormat, coefficients_per_tile, plan_tiles
+from demo_lightning.codec import segment_nbytes, validate_strength, values_nbytes
 from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
 
-__all__ = ["DEFAULT_TOPK", "WIRE_DTYPES", "CodecConfig", "TensorCodec", "compute_dtype"]
+__all__ = ["DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection", "TensorCodec", "compute_dtype"]
 
 DEFAULT_TOPK = 64
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ExchangeSelection = Literal["topk", "lowpass", "shared"]
+"""Which coefficients a worker sends: its own top-k per tile, the fixed lowest frequencies, or the
+positions one worker chose for everybody this step (``"shared"``, see :class:`CodecConfig`)."""
+EXCHANGE_SELECTIONS: tuple[str, ...] = get_args(ExchangeSelection)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,7 +39,12 @@ class CodecConfig:
             ``keep_ratio`` is given (1.6 % of a 64x64 tile; the paper used 32 with fp32 values).
         keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
         selection: ``"topk"`` (largest magnitudes, positions sent) or ``"lowpass"`` (fixed lowest
-            frequencies, no positions; all-reduced when ``value_format`` is a float format).
+            frequencies, no positions; all-reduced when ``value_format`` is a float format), or
+            ``"shared"``: ScaleCom's cyclic local top-k (Chen et al., NeurIPS 2020): at exchange
+            ``t`` worker ``t mod W`` alone picks the top-k positions per tile from its own momentum and
+            broadcasts them bit-packed; every worker sends its values at those positions, summed by
+            an all-reduce, so the bytes per worker do not grow with ``W``. Needs a float
+            ``value_format`` (values are summed on the wire); error feedback as usual.
         value_format: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"sign"``.
         dense_below: tensors with fewer elements are all-reduced densely in fp32 (0 disables).
         bucket_cap_mb: largest payload of one collective, in megabytes.
@@ -44,7 +53,7 @@ class CodecConfig:
     chunk: int = 64
     topk: Optional[int] = None
     keep_ratio: Optional[float] = None
-    selection: Selection = "topk"
+    selection: ExchangeSelection = "topk"
     value_format: ValueFormat = "sign"
     dense_below: int = 4096
     bucket_cap_mb: float = 25.0
@@ -52,8 +61,14 @@ class CodecConfig:
     def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, "tile side; the paper uses 64")
         validate_strength(self.topk, self.keep_ratio)
-        check_choice("selection", self.selection, SELECTIONS)
+        check_choice("selection", self.selection, EXCHANGE_SELECTIONS)
         check_choice("value_format", self.value_format, VALUE_FORMATS)
+        if self.selection == "shared" and self.value_format not in WIRE_DTYPES:
+            raise ValueError(
+                f"selection='shared' sums the values of every worker on the wire (an all-reduce), which "
+                f"value_format={self.value_format!r} cannot be: use value_format='fp32', 'bf16' or 'fp16', or "
+                "selection='topk' for 1-bit or int8 values"
+            )
         check_int("dense_below", self.dense_below, 0, "element count")
         check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per collective")
 
@@ -66,12 +81,14 @@ class CodecConfig:
 
     @property
     def sends_positions(self) -> bool:
+        """Every worker sends its own positions with its values (``"topk"``)."""
         return self.selection == "topk"
 
     @property
     def all_reduces(self) -> bool:
-        """Low-pass values in a float format are summed by an all-reduce; everything else is all-gathered."""
-        return self.selection == "lowpass" and self.value_format in WIRE_DTYPES
+        """Values summed by an all-reduce: ``"shared"``, and low-pass values in a float format;
+        everything else is all-gathered."""
+        return self.selection == "shared" or (self.selection == "lowpass" and self.value_format in WIRE_DTYPES)
 
     def layout(self, shape: tuple[int, ...], own: Optional["TensorCodec"] = None) -> tuple[Optional[TileLayout], int]:
         """``(tiles, k)`` for a tensor of ``shape`` under ``own``: ``(None, 0)`` when it is sent densely."""
@@ -84,13 +101,21 @@ class CodecConfig:
         return layout, coefficients_per_tile(layout.tile_numel, topk, keep_ratio)
 
     def payload_bytes(self, shape: tuple[int, ...], own: Optional["TensorCodec"] = None) -> int:
-        """Bytes one worker hands to the collective for a tensor of ``shape`` (fp32 when dense)."""
+        """Bytes one worker hands to the collectives for a tensor of ``shape`` (fp32 when dense);
+        for ``"shared"``: its values plus the bit-packed positions of the broadcast."""
         layout, k = self.layout(shape, own)
         if layout is None:
             return 4 * math.prod(shape)
+        if self.selection == "shared":
+            return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize + self.position_bytes(layout.n_tiles, k, layout.tile_numel)
         if self.all_reduces:
             return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize
         return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.value_format, self.sends_positions)
+
+    @staticmethod
+    def position_bytes(n_tiles: int, k: int, tile_numel: int) -> int:
+        """Bytes of ``n_tiles * k`` bit-packed in-tile positions (as in a top-k segment)."""
+        return segment_nbytes(n_tiles, k, tile_numel, "fp32", True) - values_nbytes(n_tiles, k, "fp32")
 
 
 @dataclass(frozen=True)

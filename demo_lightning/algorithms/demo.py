@@ -32,6 +32,17 @@ runs inside a ``torch.profiler.record_function`` range (``demo/encode``, ``demo/
 collectives, their waits and the unpacking, ``demo/decode``), so ``torch.profiler`` and Lightning's
 ``PyTorchProfiler`` show where the exchange's time goes.
 
+Node hierarchy (``node_groups``, after Psyche and FlexDeMo: DeMo between nodes only): the
+``G`` ranks of a node first average their gradients densely over the fast intra-node link (one
+all-reduce, ``demo/node_reduce``), so the node acts as one DeMo worker. The trainable tensors are
+split among the node's local ranks (greedily by payload, from shapes and settings alone, so every
+rank computes the same split); local rank ``i`` keeps the momenta of its share only and runs the
+exchange above for it with local rank ``i`` of every other node (the inter-node group: ``W`` is the
+number of nodes there), so the node's link carries each byte of the node's payload once, not ``G``
+times. Each local rank then broadcasts the updates of its share to its node (``demo/node_share``).
+Every rank of every node ends the step with the same ``p.grad``: the inter-node exchange is
+identical on its ``N`` ranks and the broadcast copies it inside the node.
+
 Differences from the reference implementation (bloc97/DeMo), each deliberate:
 
 * the momentum is state of the exchange, saved and restored with it (:meth:`DeMoExchange.state_dict`);
@@ -77,16 +88,20 @@ from demo_lightning.algorithms.stages import (
     TensorPlan,
     Workspace,
     accumulate,
+    broadcast_positions,
     build_plan,
     inverse,
     select,
+    select_at,
     transform_into,
     transport_for,
+    write_magnitudes,
     zeroed_means,
 )
 from demo_lightning.codec import lowpass_order
 from demo_lightning.codec.transform import tile_view
-from demo_lightning.comm import Communicator, StepTraffic, ddp_bytes_for
+from demo_lightning.comm import Communicator, NodeGroups, StepTraffic, ddp_bytes_for
+from demo_lightning.comm.topology import split_by_payload
 from demo_lightning.validation import check_choice, check_number
 
 __all__ = [
@@ -222,6 +237,9 @@ class ExchangeStats:
     total_comm_seconds: float = 0.0
     tiled_elements: int = 0
     energy: list[TensorEnergy] = field(default_factory=list)
+    exchanged: list[Tensor] = field(default_factory=list)
+    """The parameters this worker exchanged in the last step, in the order of :attr:`energy` (all
+    trainable ones; under a node hierarchy its share)."""
 
     @property
     def keep_ratio(self) -> float:
@@ -266,20 +284,33 @@ class DeMoExchange:
             exchange order, so it must be the same on every rank).
         config: exchange settings.
         communicator: collectives and ledger; a fresh one over the default group by default.
+        node_groups: run the node hierarchy over these groups (see the module docstring;
+            :func:`~demo_lightning.comm.build_node_groups`); ``None``: every rank is a DeMo worker.
     """
 
     name = "demo"
 
-    def __init__(self, optimizer: Optimizer, config: Optional[DeMoConfig] = None, communicator: Optional[Communicator] = None) -> None:
+    def __init__(
+        self, optimizer: Optimizer, config: Optional[DeMoConfig] = None, communicator: Optional[Communicator] = None,
+        node_groups: Optional[NodeGroups] = None,
+    ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"DeMoExchange needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if config is not None and not isinstance(config, DeMoConfig):
             raise TypeError(f"config must be a DeMoConfig, got {type(config).__name__}")
+        if node_groups is not None and not isinstance(node_groups, NodeGroups):
+            raise TypeError(f"node_groups must be NodeGroups (demo_lightning.comm.build_node_groups) or None, got {type(node_groups).__name__}")
         self.optimizer = optimizer
         self.config = config if config is not None else DeMoConfig()
         self.comm = communicator if communicator is not None else Communicator()
+        self.node_groups = node_groups
+        self.group = node_groups.inter if node_groups is not None else None
+        """The group the compressed exchange runs over (``None``: the communicator's own)."""
         self.stats = ExchangeStats()
-        self.transport = transport_for(self.config.codec, self.comm)
+        self.transport = transport_for(self.config.codec, self.comm, self.group)
+        self._owners_key: Optional[tuple] = None
+        self._owners: list[int] = []
+        self._exchanges_done = 0  # exchanges run so far (the same on every rank): picks selection="shared"'s leader
         self._momentum = SpectralMomentum()
         self._settings: dict[Tensor, TensorSettings] = {}
         self._want_energy = False
@@ -366,10 +397,11 @@ class DeMoExchange:
         return dict(zip(self._momentum.params, self._momentum.views()))
 
     def state_dict(self) -> dict[str, Any]:
-        """This worker's exchange state: ``{"momentum": {"version": 2, "momenta": {index: ...}}}``
-        by parameter index (the optimizer ``state_dict`` numbering), copied."""
+        """This worker's exchange state: ``{"momentum": {"version": 2, "momenta": {index: ...}},
+        "exchanges": n}`` by parameter index (the optimizer ``state_dict`` numbering), copied;
+        ``exchanges`` counts the exchanges run (it picks ``selection="shared"``'s leader)."""
         index_of = {p: i for i, p in enumerate(self._all_parameters())}
-        return {"momentum": self._momentum.state_dict(index_of)}
+        return {"momentum": self._momentum.state_dict(index_of), "exchanges": self._exchanges_done}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install state saved by :meth:`state_dict` (same model: shapes are checked). Also takes the
@@ -379,6 +411,7 @@ class DeMoExchange:
         params = self._all_parameters()
         if "momentum" in state:
             self._momentum.load_state_dict(state["momentum"], params)
+            self._exchanges_done = int(state.get("exchanges", 0))
         else:
             self._momentum.load_dense(state, params)  # type: ignore[arg-type]
         self._plan_key = None  # adopt the loaded momenta at the next step
@@ -446,6 +479,47 @@ class DeMoExchange:
         assert self._workspace is not None
         return plan, self._workspace
 
+    # ------------------------------------------------------------------ node hierarchy
+    def owners(self, params: Optional[list[Tensor]] = None) -> list[int]:
+        """The local rank that exchanges each trainable tensor (all ``0`` without a node hierarchy).
+
+        Greedy by payload (:func:`~demo_lightning.comm.topology.split_by_payload`): shapes and settings
+        decide it, so every rank computes the same split."""
+        params = self.parameters() if params is None else params
+        key = tuple((tuple(p.shape), self._settings[p].codec if p in self._settings else None) for p in params)
+        if key != self._owners_key:
+            ranks = self.node_groups.ranks_per_node if self.node_groups is not None else 1
+            self._owners_key, self._owners = key, split_by_payload([self.payload_bytes(p) for p in params], ranks)
+        return self._owners
+
+    def _node_mean_gradients(self, params: list[Tensor]) -> None:
+        """``p.grad <-`` the mean of the node's gradients (``None``: zeros), one all-reduce per dtype."""
+        groups = self.node_groups
+        assert groups is not None
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for p in params:
+            if p.grad is None or not p.grad.is_contiguous() or p.grad.shape != p.shape:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format) if p.grad is None else p.grad.contiguous().view_as(p)
+            by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        pending = []
+        for members in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in members])  # type: ignore[union-attr]
+            pending.append((members, flat, self.comm.all_reduce_sum_(flat, "demo/node_reduce", group=groups.intra)))
+        for members, flat, work in pending:
+            work.wait()
+            flat.div_(groups.ranks_per_node)
+            for p, part in zip(members, torch.split(flat, [p.numel() for p in members])):
+                p.grad.copy_(part.view_as(p))  # type: ignore[union-attr]
+
+    def _share_updates(self, params: list[Tensor], owners: list[int]) -> None:
+        """Every local rank's updates (``p.grad`` of its share) broadcast to its node."""
+        groups = self.node_groups
+        assert groups is not None
+        for owner in range(groups.ranks_per_node):
+            grads = [p.grad for p, o in zip(params, owners) if o == owner]
+            if grads:
+                self.comm.broadcast_tensors_(grads, "demo/node_share", src=owner, group=groups.intra)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, plan_agreed: bool = False) -> ExchangeStats:
@@ -460,81 +534,117 @@ class DeMoExchange:
         start = time.perf_counter()
         if not plan_agreed:
             self.check_plan()
-        params = self.parameters()
-        plan, workspace = self._prepare(params)
+        every = self.parameters()
         ledger = self.comm.ledger
         comm_before = self.comm.seconds
-        want_energy, want_curve = self._want_energy, self._want_curve
-        self._want_energy = self._want_curve = False
-        world = self.comm.world_size
-        codec = self.config.codec
-        momentum = self._momentum
+        hierarchy = self.node_groups
         ledger.begin_step()
         try:
-            decays = [self.decay_of(p) for p in params]
-            grads = [p.grad for p in params]
-            with record_function("demo/encode"):
-                # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
-                dense_totals = []
-                for key, group in plan.dense_groups.items():
-                    flat = momentum.dense_storage[key]
-                    for item in group:
-                        m = flat[item.span]
-                        m.mul_(decays[item.position])
-                        if grads[item.position] is not None:
-                            m.add_(grads[item.position].reshape(-1).to(m.dtype))
-                    dense_totals.append((group, flat, flat.clone()))
-                # M <- decay M + DCT(g), then the selection of every family
-                transform_into(plan, grads, momentum.storage, workspace, decays)
-                energy = self._energy_before(plan) if want_energy else None
-                selected: dict[object, Selected] = {}
-                for key, family in plan.families.items():
-                    selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
-                    if want_curve and energy is not None:
-                        energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
-            with record_function("demo/transport"):
-                # every collective is started before the first is waited on
-                dense_work = [self.comm.all_reduce_sum_(total, "demo/dense") for _, _, total in dense_totals]
-                pending = [
-                    self.transport.start([Outgoing(run, selected[run.family.key].positions[run.rows], selected[run.family.key].values[run.rows])
-                                          for run in bucket], "demo")
-                    for bucket in plan.buckets
-                ]
-                for work in dense_work:
-                    work.wait()
-            means = zeroed_means(plan, workspace)
-            for waiting in pending:
-                with record_function("demo/transport"):
-                    contributions = list(waiting.contributions())  # waits, then unpacks every rank's bytes
-                with record_function("demo/decode"):
-                    accumulate(means, contributions, selected)  # rank-order sums into the mean spectra
-            with record_function("demo/decode"):
-                # every collective completed: error feedback, then the updates
-                for bucket, waiting in zip(plan.buckets, pending):
-                    for run, sent in zip(bucket, waiting.sent):
-                        chosen = selected[run.family.key]
-                        residual = chosen.values[run.rows] - sent
-                        momentum.storage[run.family.key].index_copy_(0, chosen.offsets[run.rows].reshape(-1), residual.reshape(-1))
-                for group, flat, total in dense_totals:
-                    total.div_(world)
-                    for item in group:
-                        self._write_update(params[item.position], total[item.span].view(item.shape))
-                    flat.zero_()  # everything was sent
-                inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
-            energies = self._energy_after(plan, energy, selected) if energy is not None else []
+            params = every
+            if hierarchy is not None:
+                with record_function("demo/node"):
+                    self._node_mean_gradients(every)
+                owners = self.owners(every)
+                params = [p for p, o in zip(every, owners) if o == hierarchy.local_rank]
+            self._exchange(params)
+            if hierarchy is not None:
+                with record_function("demo/node"):
+                    self._share_updates(every, owners)
         finally:
-            traffic = ledger.end_step(ddp_bytes_for(params, world))
+            ddp = ddp_bytes_for(every, self.comm.world_size)
+            traffic = ledger.end_step(ddp, self.comm.topology.ddp_inter_node_bytes(ddp))
         seconds = time.perf_counter() - start
         comm_seconds = self.comm.seconds - comm_before
         st = self.stats
         st.traffic, st.seconds, st.comm_seconds = traffic, seconds, comm_seconds
-        st.coefficients, st.n_trainable = plan.coefficients, sum(p.numel() for p in params)
-        st.tiled_elements = sum(f.numel for f in plan.families.values())
-        st.energy = energies
+        st.n_trainable = sum(p.numel() for p in every)
         st.steps += 1
         st.total_seconds += seconds
         st.total_comm_seconds += comm_seconds
         return st
+
+    def _exchange(self, params: list[Tensor]) -> None:
+        """Encode, transport and decode ``params`` (this rank's share) over :attr:`group`."""
+        plan, workspace = self._prepare(params)
+        want_energy, want_curve = self._want_energy, self._want_curve
+        self._want_energy = self._want_curve = False
+        world = self.comm.world_size_of(self.group)
+        codec = self.config.codec
+        momentum = self._momentum
+        decays = [self.decay_of(p) for p in params]
+        grads = [p.grad for p in params]
+        with record_function("demo/encode"):
+            # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
+            dense_totals = []
+            for key, group in plan.dense_groups.items():
+                flat = momentum.dense_storage[key]
+                for item in group:
+                    m = flat[item.span]
+                    m.mul_(decays[item.position])
+                    if grads[item.position] is not None:
+                        m.add_(grads[item.position].reshape(-1).to(m.dtype))
+                dense_totals.append((group, flat, flat.clone()))
+            # M <- decay M + DCT(g), then the selection of every family
+            transform_into(plan, grads, momentum.storage, workspace, decays)
+            energy = self._energy_before(plan) if want_energy else None
+            selected: dict[object, Selected] = {}
+            if codec.selection == "shared":
+                selected = self._shared_selection(plan, workspace)
+            for key, family in plan.families.items():
+                if codec.selection != "shared":
+                    selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
+                elif want_curve:
+                    write_magnitudes(family, momentum.storage[key], workspace.family(family))
+                if want_curve and energy is not None:
+                    energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
+        with record_function("demo/transport"):
+            # every collective is started before the first is waited on
+            dense_work = [self.comm.all_reduce_sum_(total, "demo/dense", group=self.group) for _, _, total in dense_totals]
+            pending = [
+                self.transport.start([Outgoing(run, selected[run.family.key].positions[run.rows], selected[run.family.key].values[run.rows])
+                                      for run in bucket], "demo")
+                for bucket in plan.buckets
+            ]
+            for work in dense_work:
+                work.wait()
+        means = zeroed_means(plan, workspace)
+        for waiting in pending:
+            with record_function("demo/transport"):
+                contributions = list(waiting.contributions())  # waits, then unpacks every rank's bytes
+            with record_function("demo/decode"):
+                accumulate(means, contributions, selected)  # rank-order sums into the mean spectra
+        with record_function("demo/decode"):
+            # every collective completed: error feedback, then the updates
+            for bucket, waiting in zip(plan.buckets, pending):
+                for run, sent in zip(bucket, waiting.sent):
+                    chosen = selected[run.family.key]
+                    residual = chosen.values[run.rows] - sent
+                    momentum.storage[run.family.key].index_copy_(0, chosen.offsets[run.rows].reshape(-1), residual.reshape(-1))
+            for group, flat, total in dense_totals:
+                total.div_(world)
+                for item in group:
+                    self._write_update(params[item.position], total[item.span].view(item.shape))
+                flat.zero_()  # everything was sent
+            inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
+        energies = self._energy_after(plan, energy, selected) if energy is not None else []
+        self._exchanges_done += 1
+        st = self.stats
+        st.coefficients = plan.coefficients
+        st.tiled_elements = sum(f.numel for f in plan.families.values())
+        st.energy = energies
+        st.exchanged = list(params)
+
+    def _shared_selection(self, plan: ExchangePlan, workspace: Workspace) -> dict[object, Selected]:
+        """``selection="shared"``: this exchange's leader picks its top-k positions, broadcasts them
+        (:mod:`~demo_lightning.algorithms.stages.positions`), every rank takes its values there."""
+        storage = self._momentum.storage
+        leader = self._exchanges_done % self.comm.world_size_of(self.group)
+        chosen = None
+        if self.comm.rank_in(self.group) == leader:
+            chosen = {key: select(f, storage[key], "topk", workspace.family(f)).positions for key, f in plan.families.items()}
+        with record_function("demo/transport"):
+            positions = broadcast_positions(plan, chosen, self.comm, leader, "demo/positions", self.group)
+        return {key: select_at(f, storage[key], positions[key]) for key, f in plan.families.items()}
 
     # ------------------------------------------------------------------ step participant
     def before_update(self, step: StepContext) -> None:
@@ -571,7 +681,7 @@ class DeMoExchange:
         """Per tile, the energy of its best 1, 2, ... coefficients under the selection rule (rows
         of ``(n_tiles, tile_numel)``, float64), from the magnitudes the selection just wrote."""
         n, numel = family.n_tiles, family.tile_numel
-        if self.config.codec.selection == "topk":
+        if self.config.codec.selection != "lowpass":  # top-k and shared: the worker's own best k
             squared = magnitudes[: n * numel].view(n, numel).double().pow(2)
             ordered = squared.sort(dim=1, descending=True).values
         else:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
@@ -154,6 +155,11 @@ class DesLocConfig:
                 "or compress_params=False"
             )
         check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per all-reduce")
+        if self.codec.selection == "shared":
+            raise ValueError(
+                "codec selection='shared' is for the DeMo exchange (DeMoStrategy); DES-LOC's compressed parameter sync "
+                "takes selection='topk' or 'lowpass'"
+            )
 
     @property
     def state_periods(self) -> dict[str, int]:
@@ -219,16 +225,25 @@ class DesLocAverager:
             self.reset_anchor()
         self._hooks: list[Any] = []
         self._sources: dict[str, Callable[[], Mapping[Tensor, Tensor]]] = {}
+        self._source_groups: dict[str, dist.ProcessGroup] = {}
 
-    def add_state_source(self, key: str, tensors: Callable[[], Mapping[Tensor, Tensor]]) -> None:
+    def add_state_source(
+        self, key: str, tensors: Callable[[], Mapping[Tensor, Tensor]], group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
         """Average, under the state key ``key``, state that lives outside the optimizer: ``tensors()``
         returns the stored tensors by parameter (any shape, the same on every rank; written in
         place). The DeMo exchange registers its momentum (:meth:`DeMoExchange.averaged_state`)
         as ``"demo_momentum"`` this way. When a sync of ``key`` runs, the source must hold a tensor
         for every trainable parameter on every rank, laid out alike (the exchange does after each of
         its steps, which is when the strategies sync): the mean is taken over the ranks that hold one,
-        and nothing is adopted into the optimizer's state."""
+        and nothing is adopted into the optimizer's state.
+
+        ``group``: average over this process group instead (the exchange's inter-node group under a
+        node hierarchy, whose ranks hold the same share of the tensors): exactly the tensors
+        ``tensors()`` returns, which must then be the same list, shapes and order on every rank of it."""
         self._sources[key] = tensors
+        if group is not None:
+            self._source_groups[key] = group
 
     def reset_anchor(self) -> None:
         """Take the current parameters as the last synced point (compressed sync only).
@@ -480,6 +495,10 @@ class DesLocAverager:
                     writes.append((self.buffers, self._mean(self.buffers, "desloc/buffers")))
             else:
                 key = name.split("/", 1)[1]
+                if key in self._source_groups:  # a share of the tensors, averaged over the ranks that hold the same share
+                    shared = list(self._sources[key]().values())
+                    writes.append((list(shared), self._mean(shared, f"desloc/state/{key}", group=self._source_groups[key])))
+                    continue
                 values, targets, held = self._state_tensors(key)
                 means = self._mean(values, f"desloc/state/{key}", held=held)
                 writes.append((targets, means))
@@ -515,7 +534,9 @@ class DesLocAverager:
             if not h and mean is not _NOBODY and (self.optimizer.state.get(p) or self._adopt_into_empty)
         ]
 
-    def _mean(self, tensors: list[Tensor], tag: str, held: Optional[list[bool]] = None) -> list[Tensor]:
+    def _mean(
+        self, tensors: list[Tensor], tag: str, held: Optional[list[bool]] = None, group: Optional[dist.ProcessGroup] = None,
+    ) -> list[Tensor]:
         """Exact mean over workers, as new tensors (the inputs are not modified).
 
         One all-reduce per dtype/device group and ``bucket_cap_mb``, in the tensors' own dtype.
@@ -523,23 +544,23 @@ class DesLocAverager:
         holds it) in the same all-reduce, and each mean is the sum over the holders divided by
         their number; a tensor no rank holds comes back as :data:`_NOBODY`.
         """
-        world = self.comm.world_size
+        world = self.comm.world_size_of(group)
         cap = int(self.config.bucket_cap_mb * 1024 * 1024)
         buckets: dict[tuple[torch.dtype, torch.device], list[list[int]]] = {}
         for i, t in enumerate(tensors):
-            group = buckets.setdefault((t.dtype, t.device), [[]])
-            size = sum(tensors[j].numel() * t.element_size() for j in group[-1])
-            if group[-1] and size + t.numel() * t.element_size() > cap:
-                group.append([])
-            group[-1].append(i)
+            lanes = buckets.setdefault((t.dtype, t.device), [[]])
+            size = sum(tensors[j].numel() * t.element_size() for j in lanes[-1])
+            if lanes[-1] and size + t.numel() * t.element_size() > cap:
+                lanes.append([])
+            lanes[-1].append(i)
         out: list[Optional[Tensor]] = [None] * len(tensors)
-        for (dtype, device), group in buckets.items():
-            for bucket in group:
+        for (dtype, device), lanes in buckets.items():
+            for bucket in lanes:
                 parts = [tensors[j].detach().reshape(-1) for j in bucket]
                 if held is not None:
                     parts.append(torch.tensor([float(held[j]) for j in bucket], dtype=dtype, device=device))
                 flat = torch.cat(parts)
-                self.comm.all_reduce_sum_(flat, tag).wait()
+                self.comm.all_reduce_sum_(flat, tag, group=group).wait()
                 sizes = [tensors[j].numel() for j in bucket]
                 if held is None:
                     flat.div_(world)

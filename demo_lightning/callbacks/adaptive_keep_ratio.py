@@ -110,6 +110,7 @@ class AdaptiveKeepRatio(Callback):
         self._policies: list[LayerPolicy] = []  # whose keep_ratio / topk rules this scales
         self._measured_at = -1
         self._seen_exchanges = 0
+        self._curve_requested = False  # a curve was asked of the exchanges and not yet read
         self._warned_budget = False
 
     # ------------------------------------------------------------------ hooks
@@ -139,6 +140,7 @@ class AdaptiveKeepRatio(Callback):
         if self.energy is not None and step % self.update_every == 0 and step != self._measured_at:
             for exchange in self._exchanges:
                 exchange.request_energy_curve()  # consumed by this optimizer step's exchange
+            self._curve_requested = True  # the same on every rank (decided by the step)
         self._apply(self._targets(trainer, step))
 
     @override
@@ -149,19 +151,28 @@ class AdaptiveKeepRatio(Callback):
         if exchanged == self._seen_exchanges:
             return  # no exchange since the last look (a micro-batch of gradient accumulation)
         self._seen_exchanges = exchanged
-        curves = [(p, e) for ex in self._exchanges for p, e in zip(ex.parameters(), ex.stats.energy) if e.curve is not None]
-        if not curves:
+        if not self._curve_requested:
+            return
+        self._curve_requested = False
+        # every rank measured the tensors it exchanged (under a node hierarchy: its share); the mean is
+        # taken per tensor over the ranks that measured it, in one vector of the same size on every rank
+        measured = {p: e for ex in self._exchanges for p, e in zip(ex.stats.exchanged, ex.stats.energy) if e.curve is not None}
+        every = [(ex, p) for ex in self._exchanges for p in ex.parameters() if ex.tile_numel(p) > 0]
+        if not every:
             return
         self._measured_at = applied_steps(trainer) - 1  # the step this measurement came from
-        ks = [float(self._bounded(e.k_for(self.energy), e.tile_numel)) for _, e in curves]
+        sums = [float(self._bounded(measured[p].k_for(self.energy), measured[p].tile_numel)) if p in measured else 0.0 for _, p in every]
+        counts = [1.0 if p in measured else 0.0 for _, p in every]
         comm = communicator_of(trainer)
         if comm is not None and comm.world_size > 1:
             # on the communicator's device (NCCL takes no CPU tensor); one host read of the agreed sums
-            local = torch.tensor(ks, dtype=torch.float64, device=comm.device)
+            local = torch.tensor(sums + counts, dtype=torch.float64, device=comm.device)
             comm.all_reduce_sum_(local, "adaptive/k").wait()
-            ks = [k / comm.world_size for k in local.cpu().tolist()]
-        for (p, e), k in zip(curves, ks):
-            self.controller_k[self._names[p]] = min(e.tile_numel, math.ceil(k - 1e-9))
+            agreed = local.cpu().tolist()
+            sums, counts = agreed[: len(every)], agreed[len(every) :]
+        for (ex, p), k, n in zip(every, sums, counts):
+            if n > 0:
+                self.controller_k[self._names[p]] = min(ex.tile_numel(p), math.ceil(k / n - 1e-9))
 
     # ------------------------------------------------------------------ rules
     def _bounded(self, k: int, tile_numel: int) -> int:

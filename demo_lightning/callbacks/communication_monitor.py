@@ -11,6 +11,8 @@ continued across resumes):
 ``comm/cumulative_ratio_vs_ddp``            DDP's bytes for as many steps / ours
 ``comm/modeled_seconds_per_step/<B>Gbps``   ``sum over collectives (hops x latency + sent x 8 / B)``
 ``comm/ddp_modeled_seconds_per_step/<B>Gbps``  the same model for DDP's bucketed all-reduce
+``comm/modeled_seconds_per_step/links``     with ``inter_gbps`` and ``intra_gbps``: the two-link
+``comm/ddp_modeled_seconds_per_step/links`` model below, for us and for DDP
 ``demo/keep_ratio``                         coefficients sent / elements compressed
 ``demo/energy_captured/<group>``            energy of what was sent / momentum energy, per layer
                                             group (summed over ranks, then divided)
@@ -20,6 +22,12 @@ continued across resumes):
 
 Hops in the link model: ``W - 1`` for all-gather and broadcast, ``2 (W - 1)`` for all-reduce (ring
 algorithms); DDP is modeled as fp32 gradients in ``bucket_cap_mb`` buckets (25 MB, its default).
+
+Two links (``inter_gbps``, ``intra_gbps``; :func:`link_seconds`): a node's ``G`` ranks share one
+inter-node link, so a step's inter-node time is ``G x`` this rank's inter-node bytes (the ledger's
+share of the node's link, :mod:`~demo_lightning.comm.topology`) ``x 8 / inter_gbps``; the rest of
+its bytes go over its own intra-node link at ``intra_gbps``; plus the hops' latency. DDP's ring over
+all ranks (NCCL orders it by node) is modeled the same way: ``1 / G`` of its bytes on the node's link.
 
 Histograms every ``histogram_every`` steps (rank 0's values): ``demo/dct_abs/<group>`` (DCT
 coefficient magnitudes of the residual momenta) and ``demo/residual_norm/<group>``.
@@ -51,7 +59,7 @@ from demo_lightning.codec import dct2, plan_tiles, to_tiles
 from demo_lightning.comm import ByteLedger, CollectiveRecord
 from demo_lightning.validation import check_int, check_number, check_optional_int, is_number
 
-__all__ = ["CommunicationMonitor", "modeled_seconds"]
+__all__ = ["CommunicationMonitor", "ddp_link_seconds", "link_seconds", "modeled_seconds"]
 
 _GROUP_OF_KIND = {
     "embedding": "embedding", "norm": "norm", "conv": "conv", "attention_qk": "attention", "attention_v": "attention",
@@ -67,6 +75,30 @@ def _hops(record: CollectiveRecord) -> int:
 def modeled_seconds(records: list[CollectiveRecord], bandwidth_gbps: float, latency_s: float) -> float:
     """Time these collectives would take on a link of ``bandwidth_gbps`` with ``latency_s`` per hop."""
     return sum(_hops(r) * latency_s + r.sent_bytes * 8 / (bandwidth_gbps * 1e9) for r in records)
+
+
+def link_seconds(
+    records: list[CollectiveRecord], ranks_per_node: int, inter_gbps: float, intra_gbps: float, latency_s: float,
+) -> float:
+    """Time of these collectives on two links: the node's inter-node link at ``inter_gbps``, which
+    its ``ranks_per_node`` ranks share, and this rank's intra-node link at ``intra_gbps`` (see the
+    module docstring); ``latency_s`` per hop."""
+    return sum(
+        _hops(r) * latency_s + r.inter_node_bytes * ranks_per_node * 8 / (inter_gbps * 1e9) + r.intra_node_bytes * 8 / (intra_gbps * 1e9)
+        for r in records
+    )
+
+
+def ddp_link_seconds(
+    ddp_bytes: float, ddp_inter_node_bytes: float, n_trainable: int, world_size: int, ranks_per_node: int,
+    inter_gbps: float, intra_gbps: float, latency_s: float, bucket_cap_mb: float = 25.0,
+) -> float:
+    """DDP's step on the two links: its bucketed ring all-reduce, ``ddp_inter_node_bytes`` of its
+    ``ddp_bytes`` per rank on the node's shared link (see :func:`link_seconds`)."""
+    buckets = max(1, math.ceil(n_trainable * 4 / (bucket_cap_mb * 1024 * 1024)))
+    inter = ddp_inter_node_bytes * ranks_per_node * 8 / (inter_gbps * 1e9)
+    intra = (ddp_bytes - ddp_inter_node_bytes) * 8 / (intra_gbps * 1e9)
+    return buckets * 2 * max(0, world_size - 1) * latency_s + inter + intra
 
 
 def ddp_modeled_seconds(
@@ -89,6 +121,9 @@ class CommunicationMonitor(Callback):
         divergence_every: measure replica divergence every this many steps; ``None``: every 50
             steps when DES-LOC averaging is on (replicas drift between syncs), never otherwise.
         bucket_cap_mb: DDP's bucket size, for its modeled time.
+        inter_gbps: bandwidth between nodes (Gbit/s, shared by a node's ranks); with ``intra_gbps``
+            it turns on the two-link model (``comm/modeled_seconds_per_step/links``). ``None``: off.
+        intra_gbps: bandwidth of each rank's link inside its node (Gbit/s); needs ``inter_gbps``.
     """
 
     def __init__(
@@ -99,6 +134,8 @@ class CommunicationMonitor(Callback):
         latency_ms: float = 0.5,
         divergence_every: Optional[int] = None,
         bucket_cap_mb: float = 25.0,
+        inter_gbps: Optional[float] = None,
+        intra_gbps: Optional[float] = None,
     ) -> None:
         for name, value, low in (("log_every", log_every, 1), ("histogram_every", histogram_every, 0)):
             check_int(name, value, low, "optimizer steps", kind=f"an integer >= {low}")
@@ -109,6 +146,16 @@ class CommunicationMonitor(Callback):
         if not (is_number(latency_ms) and latency_ms >= 0):
             raise ValueError(f"latency_ms must be a number >= 0 (milliseconds per hop), got {latency_ms!r}")
         check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, hint="DDP's bucket size, megabytes")
+        if (inter_gbps is None) != (intra_gbps is None):
+            raise ValueError(
+                f"inter_gbps and intra_gbps go together (the two-link model needs both), got inter_gbps={inter_gbps!r}, "
+                f"intra_gbps={intra_gbps!r}; e.g. CommunicationMonitor(inter_gbps=10, intra_gbps=400)"
+            )
+        for name, value in (("inter_gbps", inter_gbps), ("intra_gbps", intra_gbps)):
+            if value is not None:
+                check_number(name, value, 0.0, low_open=True, hint="Gbit/s")
+        self.inter_gbps = None if inter_gbps is None else float(inter_gbps)
+        self.intra_gbps = None if intra_gbps is None else float(intra_gbps)
         self.log_every = log_every
         self.histogram_every = histogram_every
         self.bandwidths_gbps = [float(b) for b in bandwidths]
@@ -124,7 +171,8 @@ class CommunicationMonitor(Callback):
         self._divergence_every: Optional[int] = None
 
     def _zero_totals(self) -> dict[str, float]:
-        totals = {"steps": 0.0, "sent_bytes": 0.0, "received_bytes": 0.0, "ddp_bytes": 0.0}
+        totals = {"steps": 0.0, "sent_bytes": 0.0, "received_bytes": 0.0, "ddp_bytes": 0.0, "inter_node_bytes": 0.0,
+                  "ddp_inter_node_bytes": 0.0, "modeled_seconds/links": 0.0, "ddp_modeled_seconds/links": 0.0}
         for b in self.bandwidths_gbps:
             totals[f"modeled_seconds/{b:g}Gbps"] = 0.0
             totals[f"ddp_modeled_seconds/{b:g}Gbps"] = 0.0
@@ -184,6 +232,17 @@ class CommunicationMonitor(Callback):
             t[f"ddp_modeled_seconds/{b:g}Gbps"] += ddp
             modeled[f"comm/modeled_seconds_per_step/{b:g}Gbps"] = ours
             modeled[f"comm/ddp_modeled_seconds_per_step/{b:g}Gbps"] = ddp
+        t["inter_node_bytes"] += traffic.inter_node_bytes
+        t["ddp_inter_node_bytes"] += traffic.ddp_inter_node_bytes
+        if self.inter_gbps is not None and self.intra_gbps is not None:
+            per_node = comm.topology.ranks_per_node if comm is not None else 1
+            ours = link_seconds(records, per_node, self.inter_gbps, self.intra_gbps, latency)
+            ddp = ddp_link_seconds(traffic.ddp_bytes, traffic.ddp_inter_node_bytes, n_trainable, world, per_node,
+                                   self.inter_gbps, self.intra_gbps, latency, self.bucket_cap_mb)
+            t["modeled_seconds/links"] += ours
+            t["ddp_modeled_seconds/links"] += ddp
+            modeled["comm/modeled_seconds_per_step/links"] = ours
+            modeled["comm/ddp_modeled_seconds_per_step/links"] = ddp
         step = int(trainer.global_step)
         metrics: dict[str, float] = {}
         if step % self.log_every == 0:
@@ -195,6 +254,7 @@ class CommunicationMonitor(Callback):
             metrics["comm/cumulative_sent_bytes"] = t["sent_bytes"]
             metrics["comm/cumulative_received_bytes"] = t["received_bytes"]
             metrics["comm/cumulative_ratio_vs_ddp"] = _ratio(t["ddp_bytes"], t["sent_bytes"])
+            metrics["comm/cumulative_inter_node_ratio_vs_ddp"] = _ratio(t["ddp_inter_node_bytes"], t["inter_node_bytes"])
             metrics.update(self._exchange_metrics(trainer))
             metrics["comm/monitor_bytes"] = sum(v.sent_bytes for k, v in ledger.totals.items() if k.startswith("monitor/"))
         if self._divergence_every and step % self._divergence_every == 0:
@@ -217,6 +277,9 @@ class CommunicationMonitor(Callback):
             "ratio_vs_ddp": _ratio(t["ddp_bytes"], t["sent_bytes"]),
             "modeled_seconds": {b: t[f"modeled_seconds/{b:g}Gbps"] for b in self.bandwidths_gbps},
             "ddp_modeled_seconds": {b: t[f"ddp_modeled_seconds/{b:g}Gbps"] for b in self.bandwidths_gbps},
+            "inter_node_bytes_per_step": t["inter_node_bytes"] / steps,
+            "inter_node_ratio_vs_ddp": _ratio(t["ddp_inter_node_bytes"], t["inter_node_bytes"]),
+            "links": None if self.inter_gbps is None else (t["modeled_seconds/links"], t["ddp_modeled_seconds/links"]),
             "by_tag": {tag: (v.calls, v.sent_bytes) for tag, v in (self._ledger.totals.items() if self._ledger else [])},
         }
         if trainer.is_global_zero:
@@ -233,7 +296,7 @@ class CommunicationMonitor(Callback):
         groups = sorted(set(self._groups.values()))
         energy = [0.0] * (2 * len(groups) + 2)  # summed on the host: the stats are Python numbers already
         for ex in exchanges:
-            for p, e in zip(ex.parameters(), ex.stats.energy):
+            for p, e in zip(ex.stats.exchanged, ex.stats.energy):
                 g = groups.index(self._groups.get(p, "other"))
                 energy[2 * g] += e.captured
                 energy[2 * g + 1] += e.total
@@ -302,9 +365,15 @@ class CommunicationMonitor(Callback):
             ("bytes received / step / worker", f"{s['received_bytes_per_step']:,.0f}"),
             ("ratio vs DDP (bytes)", f"{s['ratio_vs_ddp']:.1f}x"),
         ]
+        if s["inter_node_bytes_per_step"] > 0:
+            rows.append(("inter-node bytes / step / worker", f"{s['inter_node_bytes_per_step']:,.0f}"))
+            rows.append(("ratio vs DDP (inter-node bytes)", f"{s['inter_node_ratio_vs_ddp']:.1f}x"))
         for b, secs in s["modeled_seconds"].items():
             ddp = s["ddp_modeled_seconds"][b]
             rows.append((f"modeled comm time at {b:g} Gbit/s", f"{secs:.2f} s (DDP {ddp:.2f} s)"))
+        if s["links"] is not None:
+            rows.append((f"modeled comm time, {self.inter_gbps:g} Gbit/s between nodes, {self.intra_gbps:g} inside",
+                         f"{s['links'][0]:.2f} s (DDP {s['links'][1]:.2f} s)"))
         for tag, (calls, sent) in sorted(s["by_tag"].items()):
             rows.append((f"  {tag}", f"{calls} calls, {sent:,.0f} B sent"))
         try:

@@ -12,6 +12,7 @@ from demo_lightning.comm.ledger import (
     ring_all_gather_bytes,
     ring_all_reduce_bytes,
 )
+from demo_lightning.comm.groups import NodeGroups, build_node_groups
 from demo_lightning.comm.topology import Link, NodeTopology
 
 __all__ = [
@@ -21,9 +22,11 @@ __all__ = [
     "CollectiveWork",
     "Communicator",
     "Link",
+    "NodeGroups",
     "NodeTopology",
     "StepTraffic",
     "TagTotals",
+    "build_node_groups",
     "ddp_bytes_for",
     "ddp_bytes_per_step",
     "human_bytes",

@@ -269,7 +269,7 @@ class Communicator:
         key = id(pg)
         found = self._links.get(key)
         if found is None:
-            if not self.distributed:
+            if not (self.distributed and dist.is_initialized()):
                 ranks = [0]
             elif pg is None:
                 ranks = list(range(dist.get_world_size()))

@@ -187,6 +187,8 @@ class ByteLedger:
     steps_ddp_bytes: float = 0.0
     steps_inter_node_bytes: float = 0.0
     steps_ddp_inter_node_bytes: float = 0.0
+    payload_by_link: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+    """Bytes handed to collectives, by the link class of their group (all calls, steps or not)."""
     _depth: int = 0
 
     def record(
@@ -210,6 +212,7 @@ class ByteLedger:
         totals.sent_bytes += sent
         totals.received_bytes += received
         totals.inter_node_bytes += rec.inter_node_bytes
+        self.payload_by_link[link] = self.payload_by_link.get(link, 0) + rec.payload_bytes
         if self._depth > 0 and per_step:
             self.step_records.append(rec)
         return rec

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Link", "NodeTopology"]
+__all__ = ["Link", "NodeTopology", "split_by_payload"]
 
 Link = Literal["intra", "inter"]
 
@@ -49,6 +49,35 @@ class NodeTopology:
                 f"NodeTopology: {self.world_size} ranks do not split into nodes of {self.ranks_per_node}; every node "
                 "must run the same number of processes (devices per node)"
             )
+
+    @classmethod
+    def from_ranks(cls, rows: Sequence[Sequence[int]]) -> "NodeTopology":
+        """The topology of ranks that reported ``(global_rank, node_rank, local_rank, processes_per_node)``
+        (every rank's row, in any order).
+
+        Raises ``ValueError`` naming the nodes and their sizes if the nodes run different numbers of
+        processes (or a node's count disagrees with what its ranks were told), and naming the ranks
+        if they are not numbered node-major (``global_rank == node_rank * G + local_rank``).
+        """
+        per_node: dict[int, int] = {}
+        told: dict[int, set[int]] = {}
+        for _, node, _, local_world in rows:
+            per_node[node] = per_node.get(node, 0) + 1
+            told.setdefault(node, set()).add(local_world)
+        if len(set(per_node.values())) > 1 or any(told[n] != {per_node[n]} for n in per_node):
+            counts = ", ".join(f"node {n}: {per_node[n]}" for n in sorted(per_node))
+            raise ValueError(
+                f"the nodes run different numbers of processes ({counts}); every node must run the same number: launch "
+                "every node with the same --nproc-per-node (Trainer(devices=...)) and the same num_nodes"
+            )
+        ranks_per_node = next(iter(per_node.values()))
+        misplaced = sorted(r for r, node, local, _ in rows if r != node * ranks_per_node + local)
+        if misplaced:
+            raise ValueError(
+                f"rank(s) {misplaced} are not numbered node-major (global_rank == node_rank * {ranks_per_node} + local_rank), "
+                "which the link classes and hierarchy='node' assume; check the launcher's NODE_RANK / GROUP_RANK"
+            )
+        return cls(len(rows), ranks_per_node)
 
     @classmethod
     def single_node(cls, world_size: int) -> "NodeTopology":
@@ -89,3 +118,18 @@ class NodeTopology:
     def ddp_inter_node_bytes(self, ddp_bytes: float) -> float:
         """DDP's all-reduce bytes per rank that cross the inter-node link (``ddp_bytes / G`` on more than one node)."""
         return ddp_bytes / self.ranks_per_node if self.num_nodes > 1 else 0.0
+
+
+def split_by_payload(payloads: Sequence[int], ranks: int) -> list[int]:
+    """Which of ``ranks`` local ranks exchanges each tensor under a node hierarchy: tensors in
+    decreasing payload (ties: earlier first) each go to the rank with the least payload so far
+    (ties: the lowest). Payloads alone decide it, so every rank computes the same split."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive integer (local ranks per node), got {ranks!r}")
+    load = [0] * ranks
+    owners = [0] * len(payloads)
+    for i in sorted(range(len(payloads)), key=lambda i: (-payloads[i], i)):
+        owner = min(range(ranks), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += payloads[i]
+    return owners

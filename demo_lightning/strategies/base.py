@@ -4,17 +4,24 @@
 removes the ``DistributedDataParallel`` wrapper (no gradient all-reduce) and runs, per optimizer
 step, an optional DeMo exchange (before the update) and optional DES-LOC averaging (after it).
 
-Checkpoints: every rank builds the checkpoint dict and only rank 0 writes it, so per-rank state
-is gathered into the optimizer entries under ``"demo_lightning"``: each rank's DeMo momenta, and
-with DES-LOC each rank's parameters, buffers, full optimizer state and schedule position. On resume
-each rank takes its own back (after rank 0's weights were broadcast). A checkpoint from another
-world size restores the shared parts and restarts the per-rank parts from rank 0's copy (warned).
+Checkpoints: rank 0 writes Lightning's file (weights, rank 0's optimizer state, loops); every rank
+writes its own state to its own shard beside it, ``<ckpt>.shards/rank<r>.pt`` (its DeMo momenta,
+and with DES-LOC its parameters, buffers, full optimizer state and schedule position), so no rank
+ever holds another rank's state and no collective runs while saving. The main file's optimizer
+entries carry only the layout under ``"demo_lightning"`` (``{"layout": "shards", "world_size": W,
+...}``; see :mod:`demo_lightning.strategies.shards`). On resume each rank reads only its own shard
+(a missing or stale one raises :class:`~demo_lightning.strategies.shards.CheckpointShardError` on
+every rank). A checkpoint from another world size restores the shared parts and restarts the
+per-rank parts (warned): DeMo momenta from zero, the DES-LOC schedule from rank 0's shard.
+Checkpoints of the earlier gathered layout (every rank's state in ``"per_rank"`` of the main file)
+still load as before.
 """
 
 from __future__ import annotations
 
 import atexit
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union, get_args
@@ -24,6 +31,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import ProgressBar
@@ -41,13 +49,18 @@ from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange, 
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
 from demo_lightning.algorithms.guard import FIX, NonFiniteGuard, NonFinitePolicy, check_nonfinite_policy
 from demo_lightning.algorithms.participants import StepContext, StepParticipant, run_step
-from demo_lightning.comm import ByteLedger, Communicator, StepTraffic, ddp_bytes_for, human_bytes
+from demo_lightning.comm import ByteLedger, Communicator, NodeGroups, NodeTopology, StepTraffic, build_node_groups, ddp_bytes_for, human_bytes
+from demo_lightning.strategies.shards import (
+    SHARD_FORMAT, SHARD_VERSION, SHARDS_LAYOUT, CheckpointShardError, ShardReader, remove_shard, shard_dir, write_shard,
+)
 from demo_lightning.validation import check_choice, is_number
 
 __all__ = ["CommunicationStrategy", "as_timedelta"]
 
 _CHECKPOINT_KEY = "demo_lightning"
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+Hierarchy = Literal["flat", "node"]
+HIERARCHIES: tuple[str, ...] = get_args(Hierarchy)
 
 
 def as_timedelta(timeout: Union[float, int, timedelta], name: str = "timeout") -> timedelta:
@@ -150,8 +163,11 @@ class CommunicationStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO],
         precision_plugin: Optional[Precision],
         nonfinite: NonFinitePolicy = "skip",
+        hierarchy: Hierarchy = "flat",
     ) -> None:
         self.nonfinite: NonFinitePolicy = check_nonfinite_policy(nonfinite)
+        check_choice("hierarchy", hierarchy, HIERARCHIES)
+        self.hierarchy: Hierarchy = hierarchy
         _check_start_method(start_method)
         _check_backend(process_group_backend)
         super().__init__(
@@ -169,6 +185,9 @@ class CommunicationStrategy(DDPStrategy):
         self.ledger = ByteLedger()
         self.last_traffic: Optional[StepTraffic] = None
         self._communicator: Optional[Communicator] = None
+        self._topology: Optional[NodeTopology] = None
+        self.node_groups: Optional[NodeGroups] = None
+        """The intra- and inter-node groups under ``hierarchy="node"`` (``None``: flat)."""
         self._exchanges: dict[int, DeMoExchange] = {}
         self._averagers: dict[int, DesLocAverager] = {}
         self._participants: dict[int, list[StepParticipant]] = {}
@@ -181,8 +200,13 @@ class CommunicationStrategy(DDPStrategy):
     def communicator(self) -> Communicator:
         """Collectives of this strategy (created once the process group exists)."""
         if self._communicator is None:
-            self._communicator = Communicator(ledger=self.ledger, timeout=self._timeout, device=self.root_device)
+            self._communicator = Communicator(ledger=self.ledger, timeout=self._timeout, device=self.root_device, topology=self._topology)
         return self._communicator
+
+    @property
+    def topology(self) -> NodeTopology:
+        """Which ranks share a node (agreed across ranks when the process group was set up)."""
+        return self._topology if self._topology is not None else NodeTopology.single_node(self.world_size)
 
     @property
     def exchanges(self) -> list[DeMoExchange]:
@@ -208,6 +232,37 @@ class CommunicationStrategy(DDPStrategy):
         super().setup_distributed()
         if created and dist.is_initialized():
             atexit.register(_destroy_dist_connection)  # a no-op if the group is already gone
+        self._topology = self._agree_topology()
+        self._communicator = None
+        if self.hierarchy == "node" and self.node_groups is None:
+            topology = self._topology
+            if topology.num_nodes < 2 or topology.ranks_per_node < 2:
+                rank_zero_warn(
+                    f"hierarchy='node' needs several nodes of several processes, this run has {topology.num_nodes} node(s) "
+                    f"of {topology.ranks_per_node} process(es): running flat (every rank a DeMo worker)"
+                )
+            else:
+                self.node_groups = build_node_groups(topology)
+
+    def _agree_topology(self) -> NodeTopology:
+        """The job's nodes from Lightning's cluster environment, checked on every rank (one all-gather).
+
+        Raises ``ValueError`` on every rank if the nodes run different numbers of processes, or if
+        ranks are not numbered node-major (``global_rank == node_rank * devices + local_rank``).
+        """
+        world = self.world_size
+        if not (dist.is_available() and dist.is_initialized()) or world == 1:
+            return NodeTopology.single_node(world)
+        mine = torch.tensor([self.global_rank, self.node_rank, self.local_rank, self.num_processes], dtype=torch.int64, device=self.root_device)
+        # recorded below, once its link class is known
+        gathered = Communicator(timeout=self._timeout, device=self.root_device).all_gather_bytes(
+            mine.view(torch.uint8), "setup/topology", per_step=False
+        ).wait()
+        topology = NodeTopology.from_ranks([g.view(torch.int64).cpu().tolist() for g in gathered])
+        every = range(world)
+        self.ledger.record("all_gather", "setup/topology", mine.numel() * mine.element_size(), world, per_step=False,
+                           rank=self.global_rank, link=topology.link_of(every), inter_share=topology.inter_share(every, self.global_rank))
+        return topology
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -249,7 +304,7 @@ class CommunicationStrategy(DDPStrategy):
                     message = warn_if_stateful(optimizer)
                     if message:
                         rank_zero_warn(message)
-                self._exchanges[id(optimizer)] = DeMoExchange(optimizer, self.demo_config, self.communicator)
+                self._exchanges[id(optimizer)] = DeMoExchange(optimizer, self.demo_config, self.communicator, self.node_groups)
             if self.desloc_config is not None:
                 buffers = list(self.model.buffers()) if position == 0 else []
                 self._averagers[id(optimizer)] = DesLocAverager(optimizer, self.desloc_config, self.communicator, buffers)
@@ -268,7 +323,7 @@ class CommunicationStrategy(DDPStrategy):
             participants.append(_LocalClipping(self, optimizer))
         if averager is not None:
             if exchange is not None:
-                averager.add_state_source(DEMO_STATE_KEY, exchange.averaged_state)
+                averager.add_state_source(DEMO_STATE_KEY, exchange.averaged_state, group=exchange.group)
             participants.append(averager)
         if exchange is not None:
             participants.append(exchange)
@@ -295,6 +350,9 @@ class CommunicationStrategy(DDPStrategy):
     def teardown(self) -> None:
         for exchange in self._exchanges.values():
             exchange.remove()
+        if self.node_groups is not None:
+            self.node_groups.destroy()
+            self.node_groups = None
         super().teardown()
 
     # ------------------------------------------------------------------ step
@@ -360,8 +418,8 @@ class CommunicationStrategy(DDPStrategy):
         try:
             output = run_step(participants, update, step)
         finally:
-            trainable = [p for p in params if p.requires_grad]
-            self.last_traffic = self.ledger.end_step(ddp_bytes_for(trainable, self.communicator.world_size))
+            ddp = ddp_bytes_for([p for p in params if p.requires_grad], self.communicator.world_size)
+            self.last_traffic = self.ledger.end_step(ddp, self.topology.ddp_inter_node_bytes(ddp))
         self.last_step_skipped = step.skip
         if step.skip:
             output = closure_result
@@ -420,12 +478,17 @@ class CommunicationStrategy(DDPStrategy):
             {
                 "comm/bytes_sent_per_step": float(traffic.sent_bytes),
                 "comm/bytes_received_per_step": float(traffic.received_bytes),
+                "comm/inter_node_bytes_per_step": float(traffic.inter_node_bytes),
+                "comm/intra_node_bytes_per_step": float(traffic.intra_node_bytes),
                 "comm/ratio_vs_ddp": float(self.ledger.cumulative_ratio_vs_ddp),
             },
             **options,
         )
 
     # ------------------------------------------------------------------ checkpoints
+    _checkpoint_path: Optional[str] = None
+    """The file :meth:`load_checkpoint` read last; :meth:`load_optimizer_state_dict` reads its shards."""
+
     def _local_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's own part of ``optimizer``'s training state."""
         local: dict[str, Any] = {}
@@ -442,40 +505,157 @@ class CommunicationStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Rank 0's optimizer state dict plus every rank's own state (a collective: all ranks call it)."""
+        """This rank's optimizer state dict plus, for an optimizer with per-rank state, the layout record
+        ``{"layout": "shards", "version", "world_size", "skipped_steps"}`` under ``"demo_lightning"``.
+
+        No per-rank data and no collective: each rank's own state goes to its own shard file in
+        :meth:`save_checkpoint` (rank 0's dict is the one written to the main file).
+        """
         optimizer = _unwrap(optimizer)
         state = super().optimizer_state(optimizer)
         if id(optimizer) not in self._exchanges and id(optimizer) not in self._averagers:
             return state
-        gathered = self.communicator.all_gather_object(self._local_state(optimizer), "checkpoint/per_rank_state")
         return {
             **state,
             _CHECKPOINT_KEY: {
+                "layout": SHARDS_LAYOUT,
+                "version": SHARD_VERSION,
                 "world_size": self.communicator.world_size,
-                "per_rank": gathered,
                 "skipped_steps": self.skipped_steps,
             },
         }
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Every rank writes its own shard ``<filepath>.shards/rank<r>.pt``, then rank 0 writes the main file.
+
+        Lightning calls this on every rank (``Trainer.save_checkpoint``, then a barrier); it runs no
+        collective. A shard holds this rank's entry (:meth:`_local_state`) for every optimizer whose
+        checkpoint entry carries this strategy's record (none when ``weights_only``: no shard is then
+        written), stamped with the rank, world size, global step and epoch of the main file; the main
+        file's records name the shard directory (layout: :mod:`demo_lightning.strategies.shards`).
+
+        Failure: the shard is written atomically (temporary file, then rename), so a save killed
+        midway leaves the previous shard (or none) under the final name; an error writing it (disk
+        full, no permission) propagates on this rank before rank 0 writes the main file.
+        """
+        states = list(checkpoint.get("optimizer_states") or [])
+        entries = [
+            self._local_state(_unwrap(optimizer)) if (_record(state) or {}).get("layout") == SHARDS_LAYOUT else None
+            for optimizer, state in zip(self.optimizers, states)
+        ]
+        if any(entry is not None for entry in entries):
+            name = os.path.basename(shard_dir(filepath))
+            named = [{**s, _CHECKPOINT_KEY: {**s[_CHECKPOINT_KEY], "shards": name}} if e is not None else s for s, e in zip(states, entries)]
+            checkpoint = {**checkpoint, "optimizer_states": named + states[len(named):]}
+            shard = {
+                "format": SHARD_FORMAT, "version": SHARD_VERSION, "rank": self.global_rank, "world_size": self.world_size,
+                "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"), "optimizers": entries,
+            }
+            write_shard(filepath, self.global_rank, shard)
+            del shard, entries
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rank 0 removes the main file (Lightning's); every rank removes its own shard of it, and the
+        rank that removes the last one the then empty ``<filepath>.shards`` directory.
+
+        ``ModelCheckpoint`` (``save_top_k``) calls this on every rank, without a barrier; no rank
+        touches another rank's shard, so the ranks do not race. Nothing else is removed: a file the
+        user put in the directory keeps it, and so do the shards of a rank that does not call this.
+        """
+        super().remove_checkpoint(filepath)
+        remove_shard(filepath, self.global_rank)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Lightning's load of the main file (every rank reads it), remembering its path: the shards
+        beside it are read by :meth:`load_optimizer_state_dict`, i.e. only when training state is restored
+        (``fit``), not for ``validate`` / ``test`` / ``predict``."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._checkpoint_path = os.fspath(checkpoint_path)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore the optimizers from the main file, then each rank's own state.
+
+        * Shards (this layout): at the saving world size each rank reads only its own shard
+          ``<ckpt>.shards/rank<r>.pt`` and gets its state back bitwise. At another world size (warned
+          once) parameters and rank 0's optimizer state come from the main file, DeMo momenta restart
+          from zero (no shard is read), and under DES-LOC every rank reads rank 0's shard for the
+          schedule position (and, with compressed sync, rank 0's anchor and residual).
+        * Gathered (``"per_rank"`` in the main file, written before shards): as before, each rank takes
+          entry ``rank`` at the saving world size, rank 0's schedule otherwise.
+
+        Raises:
+            CheckpointShardError: on every rank (one small all-gather agrees on it), if a shard a rank
+                needs is missing, unreadable or from another save, naming the rank, the file and the fix
+                (copy the ``.shards`` directory beside the checkpoint, or resume with only the weights).
+                Never a silent restart from zero at the saving world size.
+            ValueError: the saved per-worker parameters or buffers do not fit this model.
+        """
         optimizer_states = checkpoint["optimizer_states"]
-        extras = [s.get(_CHECKPOINT_KEY) if isinstance(s, dict) else None for s in optimizer_states]
+        extras = [_record(s) for s in optimizer_states]
         stripped = [{k: v for k, v in s.items() if k != _CHECKPOINT_KEY} if isinstance(s, dict) else s for s in optimizer_states]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": stripped})
         world, rank = self.communicator.world_size, self.communicator.rank
-        for optimizer, extra in zip(map(_unwrap, self.optimizers), extras):
+        sources, problem = self._per_rank_sources(checkpoint, extras, world, rank)
+        if any(extra is not None and extra.get("layout") == SHARDS_LAYOUT for extra in extras):
+            problems = [p for p in self.communicator.all_gather_object(problem, "checkpoint/shards") if p]
+            if problems:
+                raise CheckpointShardError("\n".join(problems))
+        elif problem is not None:
+            raise CheckpointShardError(problem)
+        other: Optional[int] = None
+        for optimizer, extra, (mine, rank0) in zip(map(_unwrap, self.optimizers), extras, sources):
             if extra is None:
                 continue
             self.skipped_steps = int(extra.get("skipped_steps", self.skipped_steps))
-            mine = extra["per_rank"][rank] if extra["world_size"] == world else None
             if mine is None:
-                rank_zero_warn(
-                    f"The checkpoint's per-worker state comes from {extra['world_size']} workers, this run has {world}: "
-                    "parameters and rank 0's optimizer state are restored; DeMo momenta restart from zero and the "
-                    "DES-LOC schedule from rank 0's position."
-                )
-            self._restore_local(optimizer, mine, extra["per_rank"][0])
+                other = int(extra["world_size"])
+            self._restore_local(optimizer, mine, rank0)
+        if other is not None:
+            rank_zero_warn(
+                f"The checkpoint's per-worker state comes from {other} workers, this run has {world}: parameters and rank 0's "
+                "optimizer state are restored; DeMo momenta restart from zero and the DES-LOC schedule from rank 0's position."
+            )
+
+    def _per_rank_sources(
+        self, checkpoint: Mapping[str, Any], extras: list[Optional[dict[str, Any]]], world: int, rank: int
+    ) -> tuple[list[tuple[Optional[dict[str, Any]], dict[str, Any]]], Optional[str]]:
+        """Per optimizer ``(this rank's saved entry or None, rank 0's entry or {})``, or the problem that
+        prevents reading them (a :class:`CheckpointShardError`'s message). Reads files, no collective."""
+        sources: list[tuple[Optional[dict[str, Any]], dict[str, Any]]] = []
+        reader: Optional[ShardReader] = None
+        try:
+            for position, (optimizer, extra) in enumerate(zip(map(_unwrap, self.optimizers), extras)):
+                if extra is None:
+                    sources.append((None, {}))
+                    continue
+                saved_world = int(extra["world_size"])
+                if extra.get("layout") != SHARDS_LAYOUT:  # gathered: every rank's state in the main file
+                    per_rank = extra["per_rank"]
+                    sources.append((per_rank[rank] if saved_world == world else None, per_rank[0]))
+                    continue
+                if self._checkpoint_path is None:
+                    raise CheckpointShardError(
+                        f"rank {rank}: the checkpoint keeps each rank's state in shard files beside it, but its path is not "
+                        "known: load it through the strategy's load_checkpoint(path) (as Trainer.fit(ckpt_path=...) does)"
+                    )
+                reader = reader if reader is not None else ShardReader(self._checkpoint_path, extra, checkpoint)
+                if saved_world == world:
+                    mine = reader.entry(rank, position, rank)
+                    sources.append((mine, mine))
+                elif id(optimizer) in self._averagers:  # another world size: rank 0's DES-LOC schedule
+                    why = f" (saved by {saved_world} ranks, this run has {world}: every rank takes rank 0's DES-LOC schedule)"
+                    sources.append((None, reader.entry(0, position, rank, why)))
+                else:  # another world size, no DES-LOC: DeMo momenta restart from zero, no shard needed
+                    sources.append((None, {}))
+        except CheckpointShardError as error:
+            return [], str(error)
+        return sources, None
 
     def _restore_local(self, optimizer: Optimizer, mine: Optional[dict[str, Any]], rank0: dict[str, Any]) -> None:
         exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
@@ -529,6 +709,12 @@ def _without_lightning_clipping(plugin: Precision) -> Iterator[None]:
 
 def _no_clipping(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _record(state: Any) -> Optional[dict[str, Any]]:
+    """The ``"demo_lightning"`` record of one checkpoint optimizer entry (``None``: none)."""
+    record = state.get(_CHECKPOINT_KEY) if isinstance(state, Mapping) else None
+    return record if isinstance(record, dict) else None
 
 
 def _copy_all(targets: list[Tensor], sources: list[Tensor], what: str) -> None:

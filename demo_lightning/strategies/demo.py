@@ -31,10 +31,11 @@ from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms import DeMoConfig, ExchangeStats
 from demo_lightning.algorithms.demo import Update
-from demo_lightning.codec import Selection, ValueFormat
+from demo_lightning.algorithms.config import ExchangeSelection
+from demo_lightning.codec import ValueFormat
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
-from demo_lightning.strategies.base import CommunicationStrategy, StartMethod
+from demo_lightning.strategies.base import CommunicationStrategy, Hierarchy, StartMethod
 
 __all__ = ["DeMoStrategy"]
 
@@ -48,7 +49,11 @@ class DeMoStrategy(CommunicationStrategy):
         topk: coefficients kept per tile; default 64 if neither ``topk`` nor ``keep_ratio`` is given.
         keep_ratio: fraction of each tile kept, in (0, 1]; give this or ``topk``, not both.
         decay: momentum decay in [0, 1).
-        selection: ``"topk"`` (largest magnitudes) or ``"lowpass"`` (fixed lowest frequencies, no indices).
+        selection: ``"topk"`` (each worker's largest magnitudes, positions sent), ``"lowpass"`` (fixed
+            lowest frequencies, no indices) or ``"shared"`` (ScaleCom's cyclic local top-k: one worker
+            per step, in turn, picks the positions and broadcasts them, the values are all-reduced, so
+            the bytes per worker do not grow with the number of workers; needs value_format "fp32",
+            "bf16" or "fp16").
         value_format: wire format of the kept values: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"sign"``.
         update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``) or ``"raw"``
             (the shared direction as the gradient, for any optimizer such as AdamW).
@@ -65,6 +70,13 @@ class DeMoStrategy(CommunicationStrategy):
             1-byte-per-rank all-gather every step): ``"skip"`` the step on every rank (nothing of
             ours changes; counted in ``guard/skipped_steps``) or ``"raise"`` ``FloatingPointError`` on
             every rank. Any other value raises ``ValueError``.
+        hierarchy: ``"flat"``: every rank is a DeMo worker (an all-gather over all ranks);
+            ``"node"``: the ranks of a node average their gradients densely over the fast intra-node
+            link, and DeMo runs between nodes only, each local rank exchanging its share of the
+            tensors with the same local rank of the other nodes, so the inter-node link carries each
+            node's payload once (see :class:`~demo_lightning.algorithms.DeMoExchange`). The process
+            groups come from the cluster environment (torchrun, SLURM); one node, or one process
+            per node, warns and runs flat; nodes of different sizes raise ``ValueError``.
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
         cluster_environment: set by the Trainer (torchrun, SLURM, ... are detected).
@@ -81,7 +93,7 @@ class DeMoStrategy(CommunicationStrategy):
         topk: Optional[int] = None,
         keep_ratio: Optional[float] = None,
         decay: float = 0.99,
-        selection: Selection = "topk",
+        selection: ExchangeSelection = "topk",
         value_format: ValueFormat = "sign",
         update: Update = "sign",
         dense_below: int = 4096,
@@ -92,6 +104,7 @@ class DeMoStrategy(CommunicationStrategy):
         timeout: Union[float, timedelta] = 1800.0,
         start_method: StartMethod = "popen",
         nonfinite: NonFinitePolicy = "skip",
+        hierarchy: Hierarchy = "flat",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -111,6 +124,7 @@ class DeMoStrategy(CommunicationStrategy):
         super().__init__(
             demo, desloc, process_group_backend, timeout, start_method,
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, nonfinite,
+            hierarchy=hierarchy,
         )
 
     @property

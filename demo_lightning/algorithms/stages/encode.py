@@ -34,7 +34,7 @@ from demo_lightning.algorithms.stages.plan import ExchangePlan, Family, TensorPl
 from demo_lightning.codec import Selection
 from demo_lightning.codec.transform import accumulate_spectrum, tile_view
 
-__all__ = ["Selected", "Workspace", "select", "transform_into"]
+__all__ = ["Selected", "Workspace", "select", "select_at", "transform_into", "write_magnitudes"]
 
 
 @dataclass
@@ -113,6 +113,26 @@ def transform_into(
                                 workspace.scratch(item), workspace.padded(item))
 
 
+def write_magnitudes(family: Family, storage: Tensor, magnitudes: Tensor) -> Tensor:
+    """Every tile's ``|K|``, tile-major, into ``magnitudes`` (``family.numel`` elements, any contents):
+    one pass per tensor (the absolute value and the reordering together); returns them as
+    ``(n_tiles, tile_numel)`` rows."""
+    n, numel = family.n_tiles, family.tile_numel
+    tiles = magnitudes[: n * numel].view(n, numel)
+    for item in family.members:
+        layout = item.layout
+        assert layout is not None
+        grid = tile_view(storage[item.span].view(item.matrix_shape), layout)
+        torch.abs(grid, out=tiles[item.rows].view(grid.shape))
+    return tiles
+
+
+def select_at(family: Family, storage: Tensor, positions: Tensor) -> Selected:
+    """The coefficients of ``family``'s ``storage`` at in-tile ``positions`` ``(n_tiles, k)`` (chosen elsewhere)."""
+    offsets = family.offsets(positions)
+    return Selected(family, positions, offsets, storage.take(offsets))
+
+
 def select(family: Family, storage: Tensor, selection: Selection, magnitudes: Optional[Tensor] = None) -> Selected:
     """Choose ``k`` coefficients per tile of ``family`` from its flat ``storage``.
 
@@ -126,15 +146,8 @@ def select(family: Family, storage: Tensor, selection: Selection, magnitudes: Op
     elif selection == "topk":
         if magnitudes is None:
             raise ValueError("select(..., 'topk') needs a magnitudes buffer of family.numel elements")
-        n, numel = family.n_tiles, family.tile_numel
-        tiles = magnitudes[: n * numel].view(n, numel)
-        for item in family.members:
-            layout = item.layout
-            assert layout is not None
-            grid = tile_view(storage[item.span].view(item.matrix_shape), layout)
-            torch.abs(grid, out=tiles[item.rows].view(grid.shape))
-        positions = torch.topk(tiles, family.k, dim=1, sorted=False).indices
-        offsets = family.offsets(positions)
+        tiles = write_magnitudes(family, storage, magnitudes)
+        return select_at(family, storage, torch.topk(tiles, family.k, dim=1, sorted=False).indices)
     else:
         raise ValueError(f"selection must be 'topk' or 'lowpass', got {selection!r}")
     return Selected(family, positions, offsets, storage.take(offsets))

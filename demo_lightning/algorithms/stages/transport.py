@@ -10,8 +10,9 @@ on every rank. Encode and decode do not depend on which transport runs.
 * :class:`AllGatherTransport` (``"topk"``, and ``"lowpass"`` with int8/sign values): positions
   (bit-packed, only when they vary) and values in the value format, one ``uint8`` buffer per rank;
   contributions are every rank's, rank order 0..W-1.
-* :class:`AllReduceTransport` (``"lowpass"`` with float values): the values at the fixed positions
-  in the wire dtype, summed by one all-reduce; each value saturates at
+* :class:`AllReduceTransport` (``"shared"``, and ``"lowpass"`` with float values): the values at
+  positions every rank shares (the leader's, or the fixed low frequencies) in the wire dtype,
+  summed by one all-reduce; each value saturates at
   :func:`~demo_lightning.codec.saturation_limit` for ``W`` summands, so the sum stays finite and the
   excess stays in the sender's residual. One contribution: the sum.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from demo_lightning.algorithms.config import CodecConfig
@@ -88,10 +90,11 @@ class _GatheredBucket:
 
 
 class AllGatherTransport:
-    """Every rank's positions and values, all-gathered in one ``uint8`` buffer per bucket."""
+    """Every rank's positions and values, all-gathered in one ``uint8`` buffer per bucket (over
+    ``group``; ``None``: the communicator's own)."""
 
-    def __init__(self, config: CodecConfig, communicator: Communicator) -> None:
-        self.config, self.comm = config, communicator
+    def __init__(self, config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.config, self.comm, self.group = config, communicator, group
 
     def start(self, bucket: Sequence[Outgoing], tag: str) -> PendingBucket:
         cfg = self.config
@@ -103,7 +106,7 @@ class AllGatherTransport:
             buffers.append(buf)
             sent.append(decoded.to(out.values.dtype))
         payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
-        work = self.comm.all_gather_bytes(payload, f"{tag}/{'topk' if cfg.sends_positions else 'values'}")
+        work = self.comm.all_gather_bytes(payload, f"{tag}/{'topk' if cfg.sends_positions else 'values'}", group=self.group)
         return _GatheredBucket(bucket, sent, work, cfg)
 
 
@@ -121,24 +124,29 @@ class _ReducedBucket:
 
 
 class AllReduceTransport:
-    """Values at fixed positions in the wire dtype, summed by one all-reduce per bucket."""
+    """Values at fixed positions in the wire dtype, summed by one all-reduce per bucket (over
+    ``group``; ``None``: the communicator's own)."""
 
-    def __init__(self, config: CodecConfig, communicator: Communicator) -> None:
+    def __init__(self, config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None) -> None:
         if not config.all_reduces:
-            raise ValueError(f"an all-reduce needs selection='lowpass' with a float value_format, got {config.selection!r}/{config.value_format!r}")
-        self.config, self.comm = config, communicator
+            raise ValueError(
+                f"an all-reduce needs selection='shared', or 'lowpass' with a float value_format, got {config.selection!r}/{config.value_format!r}"
+            )
+        self.config, self.comm, self.group = config, communicator, group
 
     def start(self, bucket: Sequence[Outgoing], tag: str) -> PendingBucket:
         parts, sent = [], []
         for out in bucket:
-            narrow = saturate(out.values, self.config.value_format, self.comm.world_size)
+            narrow = saturate(out.values, self.config.value_format, self.comm.world_size_of(self.group))
             sent.append(narrow.to(out.values.dtype))
             parts.append(narrow.reshape(-1))
         flat = torch.cat(parts)  # a fresh buffer: the all-reduce sums in place
-        work = self.comm.all_reduce_sum_(flat, f"{tag}/lowpass")
+        work = self.comm.all_reduce_sum_(flat, f"{tag}/{self.config.selection}", group=self.group)
         return _ReducedBucket(bucket, sent, flat, work)
 
 
-def transport_for(config: CodecConfig, communicator: Communicator) -> Transport:
-    """The transport today's settings call for: an all-reduce for low-pass float values, else an all-gather."""
-    return AllReduceTransport(config, communicator) if config.all_reduces else AllGatherTransport(config, communicator)
+def transport_for(config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None) -> Transport:
+    """The transport the settings call for, over ``group`` (``None``: the communicator's own): an
+    all-reduce for low-pass float values, else an all-gather."""
+    kind = AllReduceTransport if config.all_reduces else AllGatherTransport
+    return kind(config, communicator, group)
