@@ -127,6 +127,24 @@ def kill_launch(proc: Any, out: Path, script: Path) -> None:
     proc.wait()
 
 
+def run_launch(cmd: list[str], env: dict[str, str], out: Path, script: Path, timeout: float) -> tuple[int, str]:
+    """Run a launch (a Lightning or torchrun command line) in its own session under a hard ``timeout``;
+    always kill what is left of it and of ``script``'s workers (:func:`kill_launch`); returns its exit
+    code and output. A launch still running after ``timeout`` fails the test."""
+    import subprocess
+
+    import pytest
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"launch in {out} still running after {timeout} s (a rank hung?)")
+    finally:
+        kill_launch(proc, out, script)
+    return proc.returncode, output
+
+
 class IdenticalWorkers:
     """A stand-in for ``world_size`` workers that all send this process's data, without processes:
     every collective goes through a one-process :class:`~demo_lightning.comm.Communicator` (so the

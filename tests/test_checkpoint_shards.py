@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,7 +36,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from dist_helpers import clean_env, free_port, kill_launch, tensor_hash
+from dist_helpers import clean_env, free_port, run_launch, tensor_hash
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "shards_run.py"
@@ -60,14 +59,8 @@ def _launch(out: Path, devices: int, fits: list[dict[str, Any]]) -> None:
     env["MASTER_PORT"] = str(free_port())
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices), "--fits", json.dumps(fits), "--timeout", str(TIMEOUT_S)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"launch in {out} still running after {LAUNCH_TIMEOUT_S} s (a rank hung?)")
-    finally:
-        kill_launch(proc, out, SCRIPT)
-    assert proc.returncode == 0, output[-6000:]
+    returncode, output = run_launch(cmd, env, out, SCRIPT, LAUNCH_TIMEOUT_S)
+    assert returncode == 0, output[-6000:]
 
 
 def _copy(source: Path, target: Path) -> Path:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_helpers import clean_env, free_port, kill_launch
+from dist_helpers import clean_env, free_port, run_launch
 
 HERE = Path(__file__).parent
 DATA = HERE / "data"
@@ -53,10 +52,6 @@ LAUNCH_TIMEOUT_S = 150  # hard limit of the launch (four fits)
 
 
 # ---------------------------------------------------------------------------------------- launching
-def _kill_leftovers(proc: subprocess.Popen, out: Path) -> None:
-    kill_launch(proc, out, SCRIPT)
-
-
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Resume every fixture (and its cleared control) on 2 processes under a hard timeout."""
@@ -65,15 +60,9 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env["MASTER_PORT"] = str(free_port())
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--fixtures", *FIXTURES, "--controls", "--timeout", str(TIMEOUT_S)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"launch in {out} still running after {LAUNCH_TIMEOUT_S} s (a rank hung?)")
-    finally:
-        _kill_leftovers(proc, out)
+    returncode, output = run_launch(cmd, env, out, SCRIPT, LAUNCH_TIMEOUT_S)
     errors = "".join(f"\n{p}: {p.read_text()}" for p in sorted(out.glob("*/rank*.error")))
-    assert proc.returncode == 0, output[-6000:] + errors
+    assert returncode == 0, output[-6000:] + errors
     return out
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_helpers import clean_env, free_port, kill_launch
+from dist_helpers import clean_env, free_port, run_launch
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "resume_run.py"
@@ -70,10 +69,6 @@ KILLED = "demo+desloc"  # stage 2 of this variant ends with a SIGKILL of rank 1 
 
 
 # ---------------------------------------------------------------------------------------- launching
-def _kill_leftovers(proc: subprocess.Popen, out: Path) -> None:
-    kill_launch(proc, out, SCRIPT)
-
-
 def _launch(out: Path, fits: list[dict[str, Any]], *extra: str, torchrun: bool = False) -> tuple[int, str]:
     """Run the fits on 2 processes under a hard timeout; returns (exit code, output)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -90,14 +85,8 @@ def _launch(out: Path, fits: list[dict[str, Any]], *extra: str, torchrun: bool =
     else:
         env["MASTER_PORT"] = str(free_port())
         cmd = [sys.executable, *script]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"launch in {out} still running after {LAUNCH_TIMEOUT_S} s (a rank hung?)")
-    finally:
-        _kill_leftovers(proc, out)
-    return proc.returncode, output
+    returncode, output = run_launch(cmd, env, out, SCRIPT, LAUNCH_TIMEOUT_S)
+    return returncode, output
 
 
 def _fits(stage: str, **per_variant: dict[str, Any]) -> list[dict[str, Any]]:
