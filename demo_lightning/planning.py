@@ -35,8 +35,7 @@ for gradients, dense tensors and broadcast updates). Per rank per step, sent (= 
 ``shared``
     ``selection="shared"`` (ScaleCom's cyclic local top-k): each step one rank, in turn, picks the
     positions from its own momentum and broadcasts them bit-packed over the ``W`` ranks (one
-    broadcast of ``I``, the sum over tensors of ``segment_nbytes(T, k, tile, fmt, True) -
-    values_nbytes(T, k, fmt)``); then every rank all-reduces its values at those positions in a float
+    broadcast of ``I``, the sum over tensors of ``positions_nbytes(T, k, tile)``); then every rank all-reduces its values at those positions in a float
     format (``V`` bytes, one all-reduce per bucket): ``(W-1)/W * I + 2 (W-1)/W * V`` (+ the dense
     all-reduce); the broadcast's root rotates, so its ``(W-1)/W`` is every rank's average over ``W``
     steps (``modeled_collectives(step=...)`` gives one step's exact root). Inter share ``1/G`` when
@@ -75,8 +74,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from demo_lightning.algorithms.config import CodecConfig
-from demo_lightning.codec import segment_nbytes, values_nbytes
+from demo_lightning.algorithms.config import WIRE_DTYPES, CodecConfig
+from demo_lightning.codec import positions_nbytes, values_nbytes
 from demo_lightning.comm.ledger import CollectiveOp, human_bytes, ring_all_gather_bytes, ring_all_reduce_bytes
 from demo_lightning.comm.topology import Link, NodeTopology, split_by_payload
 from demo_lightning.validation import check_choice, check_int, check_number
@@ -101,7 +100,7 @@ Method = Literal["ddp", "flat", "hierarchical", "shared", "hierarchical+shared"]
 METHODS: tuple[str, ...] = get_args(Method)
 """The methods, from the least to the most change to the algorithm of a flat DeMo run."""
 
-SHARED_VALUE_FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+SHARED_VALUE_FORMATS: tuple[str, ...] = tuple(WIRE_DTYPES)  # the formats an all-reduce can sum
 """Value formats an all-reduce can sum (the shared selection's values)."""
 
 DEFAULT_SHARED_VALUE_FORMAT = "bf16"
@@ -201,7 +200,7 @@ def _tensors(shapes: tuple[tuple[int, ...], ...], codec: CodecConfig, shared_for
         if layout is None:
             out.append(_Tensor(numel, True, 4 * numel, 0, 4 * numel))
             continue
-        positions = segment_nbytes(layout.n_tiles, k, layout.tile_numel, shared_format, True) - values_nbytes(layout.n_tiles, k, shared_format)  # type: ignore[arg-type]
+        positions = positions_nbytes(layout.n_tiles, k, layout.tile_numel)
         out.append(_Tensor(numel, False, codec.payload_bytes(shape), positions, values_nbytes(layout.n_tiles, k, shared_format)))  # type: ignore[arg-type]
     return tuple(out)
 

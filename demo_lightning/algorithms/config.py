@@ -11,7 +11,7 @@ from typing import Literal, Optional, get_args
 import torch
 
 from demo_lightning.codec import VALUE_FORMATS, TileLayout, ValueFormat, coefficients_per_tile, plan_tiles
-from demo_lightning.codec import segment_nbytes, validate_strength, values_nbytes
+from demo_lightning.codec import positions_nbytes, segment_nbytes, validate_strength
 from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
 
 __all__ = ["DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection", "TensorCodec", "compute_dtype"]
@@ -107,15 +107,10 @@ class CodecConfig:
         if layout is None:
             return 4 * math.prod(shape)
         if self.selection == "shared":
-            return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize + self.position_bytes(layout.n_tiles, k, layout.tile_numel)
+            return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize + positions_nbytes(layout.n_tiles, k, layout.tile_numel)
         if self.all_reduces:
             return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize
         return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.value_format, self.sends_positions)
-
-    @staticmethod
-    def position_bytes(n_tiles: int, k: int, tile_numel: int) -> int:
-        """Bytes of ``n_tiles * k`` bit-packed in-tile positions (as in a top-k segment)."""
-        return segment_nbytes(n_tiles, k, tile_numel, "fp32", True) - values_nbytes(n_tiles, k, "fp32")
 
 
 @dataclass(frozen=True)

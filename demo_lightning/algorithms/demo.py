@@ -641,7 +641,8 @@ class DeMoExchange:
         leader = self._exchanges_done % self.comm.world_size_of(self.group)
         chosen = None
         if self.comm.rank_in(self.group) == leader:
-            chosen = {key: select(f, storage[key], "topk", workspace.family(f)).positions for key, f in plan.families.items()}
+            chosen = {key: torch.topk(write_magnitudes(f, storage[key], workspace.family(f)), f.k, dim=1, sorted=False).indices
+                      for key, f in plan.families.items()}
         with record_function("demo/transport"):
             positions = broadcast_positions(plan, chosen, self.comm, leader, "demo/positions", self.group)
         return {key: select_at(f, storage[key], positions[key]) for key, f in plan.families.items()}

@@ -61,6 +61,7 @@ __all__ = [
     "saturate",
     "saturation_limit",
     "values_nbytes",
+    "positions_nbytes",
     "segment_nbytes",
     "pack_segment",
     "unpack_segment",
@@ -215,9 +216,14 @@ def values_nbytes(n_tiles: int, k: int, value_format: ValueFormat) -> int:
     return n_tiles * _SCALE_BYTES + math.ceil(count / 8)
 
 
+def positions_nbytes(n_tiles: int, k: int, tile_numel: int) -> int:
+    """Bytes of ``n_tiles * k`` in-tile positions bit-packed at :func:`index_bits` bits."""
+    return math.ceil(n_tiles * k * index_bits(tile_numel) / 8)
+
+
 def segment_nbytes(n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool) -> int:
     """Bytes of one packed segment (see the module docstring for the layout)."""
-    position_bytes = math.ceil(n_tiles * k * index_bits(tile_numel) / 8) if with_positions else 0
+    position_bytes = positions_nbytes(n_tiles, k, tile_numel) if with_positions else 0
     return position_bytes + values_nbytes(n_tiles, k, value_format)
 
 

@@ -21,7 +21,6 @@ from :func:`broadcast_positions` after the process group's timeout.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -29,19 +28,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from demo_lightning.algorithms.stages.plan import ExchangePlan
-from demo_lightning.codec import index_bits, pack_bits, unpack_bits
+from demo_lightning.codec import index_bits, pack_bits, positions_nbytes, unpack_bits
 from demo_lightning.comm import Communicator
 
-__all__ = ["broadcast_positions", "positions_nbytes"]
-
-
-def positions_nbytes(plan: ExchangePlan) -> int:
-    """Bytes of one exchange's positions broadcast for ``plan``."""
-    total = 0
-    for family in plan.families.values():
-        bits = index_bits(family.tile_numel)
-        total += sum(math.ceil(m.n_tiles * family.k * bits / 8) for m in family.members)
-    return total
+__all__ = ["broadcast_positions"]
 
 
 def broadcast_positions(
@@ -54,9 +44,7 @@ def broadcast_positions(
     (its positions per family key); every other rank passes ``None``. One broadcast; every rank
     returns the same positions (int64, on the families' devices)."""
     families = list(plan.families.values())
-    sizes = [
-        [math.ceil(m.n_tiles * f.k * index_bits(f.tile_numel) / 8) for m in f.members] for f in families
-    ]
+    sizes = [[positions_nbytes(m.n_tiles, f.k, f.tile_numel) for m in f.members] for f in families]
     device = communicator.device
     if chosen is not None:
         parts = [
