@@ -25,17 +25,19 @@ twice. Both write into preallocated outputs (arithmetic only); ``to_tiles``/``dc
 ``from_tiles`` and the other codec functions allocate their results, as the codec does.
 
 The isolated timings reuse hot inputs. To see what a step really spends, the stages are also timed
-inside real ``CompressedMean`` calls, each function wrapped where the stage module that calls it
-looks it up: transform (``accumulate_spectrum``, in ``stages.encode``), select (``stages.select``,
-as ``compressed_mean`` calls it), pack (``pack_segments``, or ``saturate`` for an all-reduce, in
-``stages.transport``), unpack (``unpack_segments``, ``stages.transport``), scatter-add
-(``stages.accumulate``: ``index_add_`` into the mean's spectra, less the unpacking that runs
-inside it as it draws the contributions), inverse (``inverse_spectrum``, in ``stages.decode``).
-CompressedMean runs one forward and two inverse transforms per tensor: the mean, and what this
-worker sent (for the caller's error feedback). The DeMo exchange itself keeps its momenta as
-coefficients and runs one of each per step; that step is timed whole in
-``benchmarks/exchange_step.py``. "rest" is the step's inline work (the dense group, allocating
-and zeroing the spectra, copying the sent values in, the clones of the outputs, the ledger).
+inside real ``CompressedMean`` calls, from the stage ranges it opens
+(``demo_lightning.profiling.measure_stages``, exclusive times): transform
+(``codec/encode/transform``: ``transform_into``), select (``codec/encode/select``), pack
+(``codec/transport/pack``: ``pack_segments``, or ``saturate`` for an all-reduce, and the payload's
+concatenation), unpack (``codec/transport/unpack``: ``unpack_segments`` and the values' dtype),
+scatter-add (``codec/decode/scatter_add``: ``index_add_`` into the mean's spectra, less the
+unpacking that runs inside it as it draws the contributions), inverse (``codec/decode/inverse``:
+``inverse_spectrum`` and the copy of each output). CompressedMean runs one forward and two inverse
+transforms per tensor: the mean, and what this worker sent (for the caller's error feedback). The
+DeMo exchange itself keeps its momenta as coefficients and runs one of each per step; that step is
+timed whole in ``benchmarks/exchange_step.py``. "rest" is the step's time outside those ranges
+(the plan lookup, the dense group, allocating and zeroing the spectra, the collectives' launches
+and waits, copying the sent values in, the ledger, the ranges' own cost).
 "isolated sum" is ``transform + select + pack + unpack + 2 * (scatter + inverse)`` from the
 isolated timings (matrix-layout transform); step / isolated sum shows what the step loses to cold
 caches and allocation.
@@ -202,78 +204,58 @@ def time_tensor(name: str, shape: tuple[int, ...], args: argparse.Namespace, dev
 ISOLATED = ("to_tiles", "dct2", "transform", "select", "select_lowpass", "scatter", "idct2", "inverse", "from_tiles", "decode")
 MATRIX = ("transform", "inverse")  # rec["matrix_layout"]; the rest are rec["stages"]
 IN_STEP = ("transform", "select", "pack", "unpack", "scatter-add", "inverse")
-# (column, stage module that looks the function up, name there)
-WRAPPED = (
-    ("transform", "demo_lightning.algorithms.stages.encode", "accumulate_spectrum"),
-    ("select", "demo_lightning.algorithms.compressed_mean", "select"),
-    ("pack", "demo_lightning.algorithms.stages.transport", "pack_segments"),
-    ("pack", "demo_lightning.algorithms.stages.transport", "saturate"),  # the all-reduce's wire format
-    ("unpack", "demo_lightning.algorithms.stages.transport", "unpack_segments"),
-    ("scatter-add", "demo_lightning.algorithms.compressed_mean", "accumulate"),
-    ("inverse", "demo_lightning.algorithms.stages.decode", "inverse_spectrum"),
-)
+
+
+def in_step_ranges() -> dict[str, str]:
+    """Column -> the stage range of ``CompressedMean`` it reads (:mod:`demo_lightning.profiling`)."""
+    from demo_lightning.profiling import CODEC
+
+    return {"transform": CODEC.transform, "select": CODEC.select, "pack": CODEC.pack, "unpack": CODEC.unpack,
+            "scatter-add": CODEC.scatter_add, "inverse": CODEC.inverse}
 
 
 def step_breakdown(mean: Any, x: Any, step_s: float, min_run_time: float, device: Any) -> dict[str, Any]:
     """Seconds per step spent in each stage inside a real ``CompressedMean`` call.
 
-    The functions are wrapped (with a device synchronisation around each on GPUs) in the module that
-    looks them up (see ``WRAPPED``), so each is timed in context: with the caches and allocations a
-    step really has, not with hot, reused inputs as in the isolated timings. Times are exclusive: a
-    wrapped call made inside another (``unpack_segments`` runs inside ``accumulate``, which draws the
-    contributions from the transport's generator) counts for itself only. "rest" is the step's own
-    inline work (the dense group, allocating and zeroing the spectra, copying the sent values in,
-    cloning the outputs, the ledger). Minor page faults per step are counted too: freshly allocated
-    temporaries that the allocator had given back to the operating system are faulted in again,
-    page by page.
+    Read from the stage ranges ``CompressedMean`` opens (``codec/encode/transform``, ...; see
+    :func:`in_step_ranges`) through :func:`demo_lightning.profiling.measure_stages` (on GPUs with a
+    device synchronisation at every range's entry and exit), so each stage is timed in context: with
+    the caches and allocations a step really has, not with hot, reused inputs as in the isolated
+    timings. Times are exclusive: a range opened inside another counts for itself only (the
+    contributions are unpacked inside ``codec/decode/scatter_add`` as the sums draw them, so
+    scatter-add is the sums less the unpacking). "rest" is the step's time outside these six ranges
+    (the plan lookup, the dense group, allocating the spectra, the collectives' launches and waits,
+    zeroing the spectra and copying the sent values in, the ledger, the ranges' own cost). Minor page
+    faults per step are counted too: freshly allocated temporaries that the allocator had given back
+    to the operating system are faulted in again, page by page.
     """
-    import importlib
-
     import torch
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    spent = dict.fromkeys(IN_STEP, 0.0)
-    inner = [0.0]  # per open wrapped call, the time of the wrapped calls inside it
-    originals = [(column, importlib.import_module(module), attr) for column, module, attr in WRAPPED]
-    originals = [(column, module, attr, getattr(module, attr)) for column, module, attr in originals]
+    from demo_lightning.profiling import measure_stages
 
-    def timed(column: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            sync()
-            inner.append(0.0)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sync()
-                elapsed = time.perf_counter() - start
-                spent[column] += elapsed - inner.pop()
-                inner[-1] += elapsed
-
-        return call
-
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    ranges = in_step_ranges()
     reps = max(3, math.ceil(min_run_time / max(step_s, 1e-9)))
-    try:
-        for column, module, attr, fn in originals:
-            setattr(module, attr, timed(column, fn))
+    with measure_stages(sync) as times:
         mean([x], "bench")  # warm-up
-        if not all(spent[column] > 0 for column in ("transform", "select", "inverse")):
-            raise SystemExit(f"a wrapped stage was never called ({spent}): has CompressedMean stopped looking it up there?")
-        spent.update(dict.fromkeys(IN_STEP, 0.0))
-        sync()
+        missing = [name for column, name in ranges.items() if column in ("transform", "select", "inverse") and not times.calls.get(name)]
+        if missing:
+            raise SystemExit(f"CompressedMean never opened the stage range(s) {missing}: have its ranges been renamed?")
+        times.reset()
+        if sync is not None:
+            sync()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         for _ in range(reps):
             mean([x], "bench")
-        sync()
+        if sync is not None:
+            sync()
         total = (time.perf_counter() - start) / reps
         faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / reps
-    finally:
-        for _, module, attr, fn in originals:
-            setattr(module, attr, fn)
-    parts = {name: seconds / reps for name, seconds in spent.items()}
+    parts = {column: times.seconds(name, exclusive=True) / reps for column, name in ranges.items()}
     parts["rest"] = total - sum(parts.values())
-    return {"steps": reps, "step_s": total, "parts_s": parts, "minor_page_faults": faults}
+    return {"steps": reps, "step_s": total, "parts_s": parts, "minor_page_faults": faults,
+            "ranges": {column: ranges[column] for column in IN_STEP}}
 
 
 def derive(rec: dict[str, Any]) -> None:
@@ -451,13 +433,14 @@ def render(result: dict[str, Any]) -> str:
         "",
         "### Inside the step: time per stage in a real `CompressedMean` call, ms (share of the step)",
         "",
-        "Each function wrapped where its stage module looks it up: transform = `accumulate_spectrum` (stages.encode), "
-        "select = `stages.select`, pack = `pack_segments` / `saturate` and unpack = `unpack_segments` "
-        "(stages.transport), scatter-add = `stages.accumulate` (`index_add_` into the mean's spectra, less the "
-        "unpacking inside it), inverse = `inverse_spectrum` (stages.decode); one forward and two inverse transforms "
-        "per tensor (the mean, and what this worker sent). rest = the step's inline work (dense group, allocating and "
-        "zeroing the spectra, copying the sent values in, cloning the outputs, ledger); faults: minor page faults per "
-        "step (4 KiB pages of temporaries the allocator had returned to the system).",
+        "Exclusive times of the stage ranges `CompressedMean` opens (`demo_lightning.profiling.measure_stages`): "
+        "transform = `codec/encode/transform`, select = `codec/encode/select`, pack = `codec/transport/pack` "
+        "(`pack_segments` / `saturate`), unpack = `codec/transport/unpack` (`unpack_segments`), scatter-add = "
+        "`codec/decode/scatter_add` (`index_add_` into the mean's spectra, less the unpacking inside it), inverse = "
+        "`codec/decode/inverse` (`inverse_spectrum` and the outputs' copies); one forward and two inverse transforms "
+        "per tensor (the mean, and what this worker sent). rest = the step outside those ranges (dense group, "
+        "allocating and zeroing the spectra, collectives, copying the sent values in, ledger, the ranges' own cost); "
+        "faults: minor page faults per step (4 KiB pages of temporaries the allocator had returned to the system).",
         "",
         "| tensor | format | step | transform | select | pack | unpack | scatter-add | inverse | rest | dominant | faults |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

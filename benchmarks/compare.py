@@ -43,9 +43,16 @@ What is measured, per method and world size (every rank writes its own record; t
   DDP's bytes over ours for the same steps; ``steady_ratio_vs_ddp`` the long-run figure of a
   periodic schedule (``1 / sum 1/K``), where the run is shorter than its longest period.
 * ``step_time_s``: median wall time of a training batch (forward, backward, exchange, update) on
-  rank 0, first ``--warmup`` steps dropped; ``exchange_share``: the time inside our exchange and
-  averaging calls (``DeMoExchange.step``, ``DesLocAverager.before_step`` / ``after_step``: codec
-  and collectives) plus the non-finite guard's collective, over the step time, summed over the run.
+  rank 0, first ``--warmup`` steps dropped; ``exchange_share``: the time inside the library's
+  outermost stage ranges (:mod:`demo_lightning.profiling`, read with a ``StageTimes`` sink:
+  ``guard/nonfinite``, ``demo/exchange``, ``desloc/clip``, ``desloc/sync``: codec and collectives)
+  over the step time, summed over the run. Until the ranges existed it was the time inside the
+  wrapped ``DeMoExchange.step`` and ``DesLocAverager.before_step`` / ``after_step`` calls plus the
+  guard's collective; the ranges also count the guard's local finiteness check (a reduction over
+  the gradients) and leave out DES-LOC's one-off agreement on its state keys at the first step.
+  ``stage_s_per_step``: rank 0's exclusive time per range, per step, over the run. A library without
+  the ranges (``benchmarks/exchange_share.py --against`` an older revision) is still timed the old
+  way; ``exchange_timing`` says which (``"stage ranges"`` or ``"wrapped calls"``).
 * ``peak_rss_mb``: peak resident memory of the largest worker (``getrusage`` ``ru_maxrss``).
 * ``compute_s``: step time minus the time this worker spent in collectives (loopback gloo); for
   ``ddp``, whose all-reduce overlaps the backward pass, minus the time of an all-reduce of all
@@ -190,6 +197,15 @@ def worker(args: argparse.Namespace) -> None:
     from demo_lightning.comm import ddp_bytes_per_step
     from demo_lightning.data import TextDataModule
     from demo_lightning.models import GPTLightningModule
+    StageTimes = add_sink = None  # a revision before the stage ranges (exchange_share.py --against): time the calls
+    try:
+        from demo_lightning import profiling
+    except ImportError:
+        profiling = None
+    # the module must belong to the demo_lightning that runs (an editable install's finder can supply
+    # this checkout's module to an older revision's package, whose exchange opens no ranges)
+    if profiling is not None and Path(profiling.__file__).resolve().parent == Path(demo_lightning.__file__).resolve().parent:
+        StageTimes, add_sink = profiling.StageTimes, profiling.add_sink
 
     method = METHODS[args.method]
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
@@ -200,17 +216,33 @@ def worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.rows: list[dict[str, Any]] = []
             self.val_curve: list[tuple[int, float]] = []
-            self._t0 = self._comm0 = self.inside_s = self.inside_comm_s = 0.0
+            self._t0 = self._comm0 = self._inside0 = 0.0
+            # the library's stage ranges (guard, exchange, averaging), timed; None: a library without them
+            self.stages = StageTimes() if StageTimes is not None else None
+            self.timing = "stage ranges" if self.stages is not None else "wrapped calls"
+            self._sink: Any = None
+            self._wrapped_s = self._wrapped_comm_s = 0.0
 
         def _comm_seconds(self, trainer: pl.Trainer) -> float:
             strat = trainer.strategy
             return strat.communicator.seconds if isinstance(strat, demo_lightning.strategies.CommunicationStrategy) else 0.0
 
+        def _exchange_seconds(self, trainer: pl.Trainer) -> float:
+            """Seconds of exchange so far: inside the outermost stage ranges, or (a library without them)
+            inside the wrapped exchange and averaging calls plus the collectives outside them (the guard's)."""
+            if self.stages is not None:
+                return self.stages.total
+            return self._wrapped_s + self._comm_seconds(trainer) - self._wrapped_comm_s
+
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            """Time our exchange and averaging calls (codec and collectives) where the strategy makes them."""
-            self.inside_s = self.inside_comm_s = 0.0
+            """Time the stage ranges the guard, the exchange and the averaging open (codec and collectives)."""
             strat = trainer.strategy
             if not isinstance(strat, demo_lightning.strategies.CommunicationStrategy):
+                return
+            if self.stages is not None:
+                self.stages.reset()
+                if self._sink is None:
+                    self._sink = add_sink(self.stages)
                 return
             for obj, names in [(x, ("step",)) for x in strat.exchanges] + [(a, ("before_step", "after_step")) for a in strat.averagers]:
                 for name in names:
@@ -222,14 +254,19 @@ def worker(args: argparse.Namespace) -> None:
                 try:
                     return fn(*a, **k)
                 finally:
-                    self.inside_s += time.perf_counter() - start
-                    self.inside_comm_s += comm.seconds - comm0
+                    self._wrapped_s += time.perf_counter() - start
+                    self._wrapped_comm_s += comm.seconds - comm0
 
             return call
 
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if self._sink is not None:
+                self._sink.remove()
+                self._sink = None
+
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
             self._t0, self._comm0 = time.perf_counter(), self._comm_seconds(trainer)
-            self._inside0, self._inside_comm0 = self.inside_s, self.inside_comm_s
+            self._inside0 = self._exchange_seconds(trainer)
 
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
             seconds = time.perf_counter() - self._t0
@@ -239,12 +276,12 @@ def worker(args: argparse.Namespace) -> None:
                                    "loss": float(outputs["loss"]) if isinstance(outputs, dict) else float("nan")}
             if isinstance(strat, demo_lightning.strategies.CommunicationStrategy):
                 traffic, records = strat.ledger.last_step, list(strat.ledger.step_records)
-                inside, inside_comm = self.inside_s - self._inside0, self.inside_comm_s - self._inside_comm0
+                inside = self._exchange_seconds(trainer) - self._inside0
                 by_tag: dict[str, float] = {}
                 for rec in records:
                     by_tag[rec.tag] = by_tag.get(rec.tag, 0.0) + rec.sent_bytes
                 row.update(sent=traffic.sent_bytes, received=traffic.received_bytes, calls=traffic.calls, sent_by_tag=by_tag,
-                           exchange_s=inside + (comm - inside_comm), modeled={f"{b:g}": modeled_seconds(records, b, latency) for b in bandwidths})
+                           exchange_s=inside, modeled={f"{b:g}": modeled_seconds(records, b, latency) for b in bandwidths})
             else:
                 n = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
                 ddp = ddp_bytes_per_step(n, trainer.world_size)
@@ -286,6 +323,8 @@ def worker(args: argparse.Namespace) -> None:
         "rows": recorder.rows, "val_curve": recorder.val_curve, "ddp_allreduce_s": allreduce_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "sync_periods": sync_periods(trainer.strategy),
+        "stage_exclusive_s": recorder.stages.snapshot()["exclusive"] if recorder.stages is not None else {},
+        "exchange_timing": recorder.timing,
         "library": str(Path(demo_lightning.__file__).resolve().parent.parent),  # which demo_lightning ran
     }
     Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -364,6 +403,8 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]
         "collectives_per_step": sum(r["calls"] for r in rows) / steps,
         "step_time_s": step_time, "compute_s": compute,
         "exchange_share": sum(r["exchange_s"] for r in rows) / max(1e-12, sum(r["seconds"] for r in rows)),
+        "stage_s_per_step": {name: s / steps for name, s in sorted(r0.get("stage_exclusive_s", {}).items())},
+        "exchange_timing": r0.get("exchange_timing", "wrapped calls"),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "modeled_comm_s_per_step": modeled_comm,
         "train_loss": [r["loss"] for r in rows], "cumulative_sent_bytes": cumulative, "library": r0.get("library"),

@@ -7,8 +7,9 @@ One process, world size 1 (``Communicator()`` without a process group), ``--thre
 ``DeMoExchange.step()`` then ``SGD.step()`` on the trainable shapes of
 ``demo_lightning.models.GPT(d_model, n_layer)`` with random gradients (fixed seed). Prints the median
 wall time of ``--steps`` steps, then, from ``--profiled`` more steps under ``torch.profiler``, the
-mean milliseconds per step inside each of the exchange's ranges (``demo/encode``, ``demo/transport``,
-``demo/decode``) and of the ``--top`` operators by self CPU time. Writes
+mean milliseconds per step inside each of the exchange's stage ranges (``demo/exchange``, the whole
+step; ``demo/encode``, ``demo/transport``, ``demo/decode`` and the finer ranges inside them, see
+``demo_lightning.profiling``; inclusive times) and of the ``--top`` operators by self CPU time. Writes
 ``<out>/exchange_profile_d<d_model>_l<n_layer>.md``.
 """
 
@@ -22,7 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RANGES = ("demo/encode", "demo/transport", "demo/decode")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange
     from demo_lightning.comm import Communicator
     from demo_lightning.models import GPT
+    from demo_lightning.profiling import DEMO, DEMO_EXCHANGE
+
+    ranges = (DEMO_EXCHANGE, *DEMO.all())
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"| range (mean of {args.profiled} profiled steps) | ms per step |",
         "|---|---|",
-        *(f"| `{r}` | {per_step.get(r, 0.0):.1f} |" for r in RANGES),
+        *(f"| `{r}` | {per_step.get(r, 0.0):.1f} |" for r in ranges),
         "",
         "| operator (self CPU) | ms per step | calls per step |",
         "|---|---|---|",

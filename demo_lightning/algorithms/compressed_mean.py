@@ -17,6 +17,13 @@ keeps in coefficient space instead.
 
 Determinism and exactness: see :mod:`~demo_lightning.algorithms.stages.decode`.
 
+Profiling: the stages run inside the stage ranges ``codec/encode`` (``codec/encode/transform``,
+``codec/encode/select``), ``codec/transport`` (``codec/transport/pack``, the launches and the waits),
+``codec/decode`` (``codec/decode/scatter_add``, ``codec/decode/inverse``: both inverses, the mean's and
+what was sent). The contributions are unpacked as the sums draw them, so ``codec/transport/unpack``
+nests inside ``codec/decode/scatter_add`` (:mod:`~demo_lightning.profiling`: its exclusive time
+leaves the unpacking out).
+
 Failure: the plan (count, sizes, per-tensor settings) is compared across workers whenever it is
 rebuilt; a mismatch raises ``RuntimeError`` on every rank before any data moves. A collective that
 cannot complete raises after the process group's timeout, and nothing is returned.
@@ -43,6 +50,7 @@ from demo_lightning.algorithms.stages import (
     zeroed_means,
 )
 from demo_lightning.comm import Communicator
+from demo_lightning.profiling import CODEC, stage_range
 
 __all__ = ["CompressedMean"]
 
@@ -58,7 +66,7 @@ class CompressedMean:
     def __init__(self, config: CodecConfig, communicator: Communicator) -> None:
         self.config = config
         self.comm = communicator
-        self.transport = transport_for(config, communicator)
+        self.transport = transport_for(config, communicator, names=CODEC)
         self._plan: Optional[ExchangePlan] = None
         self._plan_key: Optional[tuple] = None
         self._workspace: Optional[Workspace] = None
@@ -88,42 +96,53 @@ class CompressedMean:
         mean_out: list[Optional[Tensor]] = [None] * len(inputs)
         sent_out: list[Optional[Tensor]] = [None] * len(inputs)
 
-        dense_pending = []
-        for group in plan.dense_groups.values():
-            flat = torch.cat([inputs[i.position].reshape(-1).to(i.dtype) for i in group])
-            dense_pending.append((group, flat, self.comm.all_reduce_sum_(flat, f"{tag}/dense")))
+        with stage_range(CODEC.transport):
+            dense_pending = []
+            for group in plan.dense_groups.values():
+                flat = torch.cat([inputs[i.position].reshape(-1).to(i.dtype) for i in group])
+                dense_pending.append((group, flat, self.comm.all_reduce_sum_(flat, f"{tag}/dense")))
 
-        spectra = {key: torch.empty(f.numel, dtype=f.dtype, device=f.device) for key, f in plan.families.items()}
-        transform_into(plan, inputs, spectra, workspace)
-        selected = {key: select(f, spectra[key], self.config.selection, workspace.family(f)) for key, f in plan.families.items()}
-        pending = [
-            self.transport.start([Outgoing(run, *(getattr(selected[run.family.key], a)[run.rows] for a in ("positions", "values")))
-                                  for run in bucket], tag)
-            for bucket in plan.buckets
-        ]
-
-        for group, flat, work in dense_pending:
-            work.wait()
-            flat.div_(world)
-            for item, part in zip(group, torch.split(flat, [i.numel for i in group])):
-                mean_out[item.position] = part.view(item.shape)
-                sent_out[item.position] = inputs[item.position].to(item.dtype)
-
-        means = zeroed_means(plan, workspace)
-        for bucket, waiting in zip(plan.buckets, pending):
-            accumulate(means, waiting.contributions(), selected)
+        with stage_range(CODEC.encode):
+            spectra = {key: torch.empty(f.numel, dtype=f.dtype, device=f.device) for key, f in plan.families.items()}
+            with stage_range(CODEC.transform):
+                transform_into(plan, inputs, spectra, workspace)
+            with stage_range(CODEC.select):
+                selected = {key: select(f, spectra[key], self.config.selection, workspace.family(f)) for key, f in plan.families.items()}
+        with stage_range(CODEC.transport):
+            pending = [
+                self.transport.start([Outgoing(run, *(getattr(selected[run.family.key], a)[run.rows] for a in ("positions", "values")))
+                                      for run in bucket], tag)
+                for bucket in plan.buckets
+            ]
+            for _, _, work in dense_pending:
+                work.wait()
 
         def keep(out: list[Optional[Tensor]]):  # type: ignore[no-untyped-def]
             def write(item, tensor):  # type: ignore[no-untyped-def]
                 out[item.position] = tensor.reshape(item.shape).clone()
             return write
 
-        inverse(plan, means, workspace, 1.0 / world, keep(mean_out))
-        # what this worker sent: its decoded values alone, through the same inverse
-        for key, family in plan.families.items():
-            spectra[key].zero_()
-        for bucket, waiting in zip(plan.buckets, pending):
-            for run, decoded in zip(bucket, waiting.sent):
-                spectra[run.family.key].index_copy_(0, selected[run.family.key].offsets[run.rows].reshape(-1), decoded.reshape(-1))
-        inverse(plan, spectra, workspace, 1.0, keep(sent_out))
+        with stage_range(CODEC.decode):
+            for group, flat, _ in dense_pending:
+                flat.div_(world)
+                for item, part in zip(group, torch.split(flat, [i.numel for i in group])):
+                    mean_out[item.position] = part.view(item.shape)
+                    sent_out[item.position] = inputs[item.position].to(item.dtype)
+            means = zeroed_means(plan, workspace)
+        for waiting in pending:  # bucket by bucket: later buckets stay in flight while earlier ones are summed
+            with stage_range(CODEC.transport):
+                waiting.wait()
+            with stage_range(CODEC.decode), stage_range(CODEC.scatter_add):
+                accumulate(means, waiting.contributions(), selected)  # unpacks as it sums (codec/transport/unpack)
+        with stage_range(CODEC.decode):
+            with stage_range(CODEC.inverse):
+                inverse(plan, means, workspace, 1.0 / world, keep(mean_out))
+            # what this worker sent: its decoded values alone, through the same inverse
+            for key, family in plan.families.items():
+                spectra[key].zero_()
+            for bucket, waiting in zip(plan.buckets, pending):
+                for run, decoded in zip(bucket, waiting.sent):
+                    spectra[run.family.key].index_copy_(0, selected[run.family.key].offsets[run.rows].reshape(-1), decoded.reshape(-1))
+            with stage_range(CODEC.inverse):
+                inverse(plan, spectra, workspace, 1.0, keep(sent_out))
         return [t for t in mean_out if t is not None], [t for t in sent_out if t is not None]

@@ -27,10 +27,13 @@ and values, or all-reduce of fixed positions), decode. Work per step: one forwar
 transform per compressed tensor, straight from and into the tensors' own memory (views when the
 shape tiles exactly); one ``topk`` per family of equal tiles; energy only when a callback asks
 (:meth:`DeMoExchange.request_energy`, :meth:`DeMoExchange.request_energy_curve`); no host
-synchronisation in the step (the collectives' own aside), so it runs the same on a GPU. Each stage
-runs inside a ``torch.profiler.record_function`` range (``demo/encode``, ``demo/transport``: the
-collectives, their waits and the unpacking, ``demo/decode``), so ``torch.profiler`` and Lightning's
-``PyTorchProfiler`` show where the exchange's time goes.
+synchronisation in the step (the collectives' own aside), so it runs the same on a GPU. The step
+runs inside the stage range ``demo/exchange`` and each stage inside its own (``demo/encode`` with
+``demo/encode/transform`` and ``demo/encode/select``; ``demo/transport``: the collectives, their
+waits and the unpacking, with ``demo/transport/pack`` and ``demo/transport/unpack``; ``demo/decode``
+with ``demo/decode/scatter_add`` and ``demo/decode/inverse``; ``demo/node`` under a node hierarchy),
+so ``torch.profiler``, Lightning's profilers and :func:`~demo_lightning.profiling.measure_stages`
+show where the exchange's time goes (:mod:`~demo_lightning.profiling`).
 
 Node hierarchy (``node_groups``, after Psyche and FlexDeMo: DeMo between nodes only): the
 ``G`` ranks of a node first average their gradients densely over the fast intra-node link (one
@@ -76,7 +79,6 @@ from typing import Any, Literal, Optional, get_args
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.profiler import record_function
 
 from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec
 from demo_lightning.algorithms.momentum import SpectralMomentum
@@ -102,6 +104,7 @@ from demo_lightning.codec import lowpass_order
 from demo_lightning.codec.transform import tile_view
 from demo_lightning.comm import Communicator, NodeGroups, StepTraffic, ddp_bytes_for
 from demo_lightning.comm.topology import split_by_payload
+from demo_lightning.profiling import DEMO, DEMO_EXCHANGE, DEMO_NODE, stage_range
 from demo_lightning.validation import check_choice, check_number
 
 __all__ = [
@@ -307,7 +310,7 @@ class DeMoExchange:
         self.group = node_groups.inter if node_groups is not None else None
         """The group the compressed exchange runs over (``None``: the communicator's own)."""
         self.stats = ExchangeStats()
-        self.transport = transport_for(self.config.codec, self.comm, self.group)
+        self.transport = transport_for(self.config.codec, self.comm, self.group, names=DEMO)
         self._owners_key: Optional[tuple] = None
         self._owners: list[int] = []
         self._exchanges_done = 0  # exchanges run so far (the same on every rank): picks selection="shared"'s leader
@@ -531,29 +534,30 @@ class DeMoExchange:
                 rank whose tensors or settings changed alone makes every rank raise the same
                 ``RuntimeError`` instead of running mismatched collectives.
         """
-        start = time.perf_counter()
-        if not plan_agreed:
-            self.check_plan()
-        every = self.parameters()
-        ledger = self.comm.ledger
-        comm_before = self.comm.seconds
-        hierarchy = self.node_groups
-        ledger.begin_step()
-        try:
-            params = every
-            if hierarchy is not None:
-                with record_function("demo/node"):
-                    self._node_mean_gradients(every)
-                owners = self.owners(every)
-                params = [p for p, o in zip(every, owners) if o == hierarchy.local_rank]
-            self._exchange(params)
-            if hierarchy is not None:
-                with record_function("demo/node"):
-                    self._share_updates(every, owners)
-        finally:
-            ddp = ddp_bytes_for(every, self.comm.world_size)
-            traffic = ledger.end_step(ddp, self.comm.topology.ddp_inter_node_bytes(ddp))
-        seconds = time.perf_counter() - start
+        with stage_range(DEMO_EXCHANGE):
+            start = time.perf_counter()
+            if not plan_agreed:
+                self.check_plan()
+            every = self.parameters()
+            ledger = self.comm.ledger
+            comm_before = self.comm.seconds
+            hierarchy = self.node_groups
+            ledger.begin_step()
+            try:
+                params = every
+                if hierarchy is not None:
+                    with stage_range(DEMO_NODE):
+                        self._node_mean_gradients(every)
+                    owners = self.owners(every)
+                    params = [p for p, o in zip(every, owners) if o == hierarchy.local_rank]
+                self._exchange(params)
+                if hierarchy is not None:
+                    with stage_range(DEMO_NODE):
+                        self._share_updates(every, owners)
+            finally:
+                ddp = ddp_bytes_for(every, self.comm.world_size)
+                traffic = ledger.end_step(ddp, self.comm.topology.ddp_inter_node_bytes(ddp))
+            seconds = time.perf_counter() - start
         comm_seconds = self.comm.seconds - comm_before
         st = self.stats
         st.traffic, st.seconds, st.comm_seconds = traffic, seconds, comm_seconds
@@ -573,7 +577,7 @@ class DeMoExchange:
         momentum = self._momentum
         decays = [self.decay_of(p) for p in params]
         grads = [p.grad for p in params]
-        with record_function("demo/encode"):
+        with stage_range(DEMO.encode):
             # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
             dense_totals = []
             for key, group in plan.dense_groups.items():
@@ -585,19 +589,21 @@ class DeMoExchange:
                         m.add_(grads[item.position].reshape(-1).to(m.dtype))
                 dense_totals.append((group, flat, flat.clone()))
             # M <- decay M + DCT(g), then the selection of every family
-            transform_into(plan, grads, momentum.storage, workspace, decays)
+            with stage_range(DEMO.transform):
+                transform_into(plan, grads, momentum.storage, workspace, decays)
             energy = self._energy_before(plan) if want_energy else None
             selected: dict[object, Selected] = {}
-            if codec.selection == "shared":
-                selected = self._shared_selection(plan, workspace)
-            for key, family in plan.families.items():
-                if codec.selection != "shared":
-                    selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
-                elif want_curve:
-                    write_magnitudes(family, momentum.storage[key], workspace.family(family))
-                if want_curve and energy is not None:
-                    energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
-        with record_function("demo/transport"):
+            with stage_range(DEMO.select):
+                if codec.selection == "shared":
+                    selected = self._shared_selection(plan, workspace)
+                for key, family in plan.families.items():
+                    if codec.selection != "shared":
+                        selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
+                    elif want_curve:
+                        write_magnitudes(family, momentum.storage[key], workspace.family(family))
+                    if want_curve and energy is not None:
+                        energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
+        with stage_range(DEMO.transport):
             # every collective is started before the first is waited on
             dense_work = [self.comm.all_reduce_sum_(total, "demo/dense", group=self.group) for _, _, total in dense_totals]
             pending = [
@@ -607,13 +613,14 @@ class DeMoExchange:
             ]
             for work in dense_work:
                 work.wait()
-        means = zeroed_means(plan, workspace)
+        with stage_range(DEMO.decode):
+            means = zeroed_means(plan, workspace)
         for waiting in pending:
-            with record_function("demo/transport"):
+            with stage_range(DEMO.transport):
                 contributions = list(waiting.contributions())  # waits, then unpacks every rank's bytes
-            with record_function("demo/decode"):
+            with stage_range(DEMO.decode), stage_range(DEMO.scatter_add):
                 accumulate(means, contributions, selected)  # rank-order sums into the mean spectra
-        with record_function("demo/decode"):
+        with stage_range(DEMO.decode):
             # every collective completed: error feedback, then the updates
             for bucket, waiting in zip(plan.buckets, pending):
                 for run, sent in zip(bucket, waiting.sent):
@@ -625,7 +632,8 @@ class DeMoExchange:
                 for item in group:
                     self._write_update(params[item.position], total[item.span].view(item.shape))
                 flat.zero_()  # everything was sent
-            inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
+            with stage_range(DEMO.inverse):
+                inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
         energies = self._energy_after(plan, energy, selected) if energy is not None else []
         self._exchanges_done += 1
         st = self.stats
@@ -643,7 +651,7 @@ class DeMoExchange:
         if self.comm.rank_in(self.group) == leader:
             chosen = {key: torch.topk(write_magnitudes(f, storage[key], workspace.family(f)), f.k, dim=1, sorted=False).indices
                       for key, f in plan.families.items()}
-        with record_function("demo/transport"):
+        with stage_range(DEMO.transport):
             positions = broadcast_positions(plan, chosen, self.comm, leader, "demo/positions", self.group)
         return {key: select_at(f, storage[key], positions[key]) for key, f in plan.families.items()}
 

@@ -26,7 +26,10 @@ After local optimizer step ``t`` (counting from 1) on every worker::
 
   After the sync all workers hold the same ``x_sync``; what the codec dropped stays in ``e``.
 
-Profiling: each sync runs inside a ``torch.profiler.record_function`` range ``desloc/sync``.
+Profiling (:mod:`~demo_lightning.profiling`): each due average runs inside the stage range
+``desloc/sync``, with ``desloc/sync/params`` (the exact mean, or the compressed sync and its
+``codec/...`` ranges), ``desloc/sync/buffers`` and ``desloc/sync/state/<key>`` per state key inside
+it; local clipping runs inside ``desloc/clip`` and the final average inside ``desloc/final``.
 
 Failure behaviour: a sync is all-or-nothing. All collectives of a step run on copies; nothing is
 written back until every one has completed, so a sync that times out raises on the ranks that
@@ -47,11 +50,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.profiler import record_function
 
 from demo_lightning.algorithms.compressed_mean import CompressedMean
 from demo_lightning.algorithms.config import CodecConfig, compute_dtype
 from demo_lightning.comm import Communicator
+from demo_lightning.profiling import (
+    DESLOC_CLIP,
+    DESLOC_FINAL,
+    DESLOC_SYNC,
+    DESLOC_SYNC_BUFFERS,
+    DESLOC_SYNC_PARAMS,
+    desloc_sync_state,
+    stage_range,
+)
 from demo_lightning.validation import check_bool, check_number, check_period, check_periods
 
 __all__ = [
@@ -287,7 +298,8 @@ class DesLocAverager:
         if self.config.clip_grad_norm is not None:
             grads = [p for p in self.parameters() if p.grad is not None]
             if grads:
-                torch.nn.utils.clip_grad_norm_(grads, self.config.clip_grad_norm)
+                with stage_range(DESLOC_CLIP):
+                    torch.nn.utils.clip_grad_norm_(grads, self.config.clip_grad_norm)
 
     def due(self, step: Optional[int] = None) -> list[str]:
         """Quantities averaged after local step ``step`` (default: the next one)."""
@@ -399,7 +411,7 @@ class DesLocAverager:
         self._resolve_state_keys()
         names = self.due()
         if names:
-            with record_function("desloc/sync"):
+            with stage_range(DESLOC_SYNC):
                 self._sync(names)
         self.step_count += 1
         self.stats.steps = self.step_count
@@ -413,7 +425,8 @@ class DesLocAverager:
         """Average ``names`` (default: parameters and every configured state) immediately."""
         self._resolve_state_keys()
         names = names if names is not None else ["params", *(f"state/{k}" for k in self.state_periods)]
-        self._sync(names)
+        with stage_range(DESLOC_SYNC):
+            self._sync(names)
         if "params" in names:
             self._params_synced_at = self.step_count
         return names
@@ -439,6 +452,11 @@ class DesLocAverager:
             or self._local_replica is not None
         ):
             return False
+        with stage_range(DESLOC_FINAL):
+            self._final_sync()
+        return True
+
+    def _final_sync(self) -> None:
         params = self.parameters()
         current = set(params)
         left = [p for p in self._synced if p not in current]  # frozen since the last sync: averaged too
@@ -451,7 +469,6 @@ class DesLocAverager:
         self._write(writes)
         self._local_replica = replica
         self.stats.syncs["final"] = self.stats.syncs.get("final", 0) + 1
-        return True
 
     def local_replica(self) -> tuple[list[Tensor], list[Tensor]]:
         """This rank's own ``(parameters, buffers)``: as they were before :meth:`final_sync` if it
@@ -484,23 +501,26 @@ class DesLocAverager:
         new_codec_state: Optional[tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]] = None
         for name in names:
             if name == "params":
-                if left:  # frozen since the last sync: one last exact average, so replicas stay identical
-                    writes.append((list(left), self._mean(left, "desloc/params_left")))
-                if self._codec is not None:
-                    pairs, new_codec_state = self._compressed_param_sync(params, joined)
-                    writes += pairs
-                else:
-                    writes.append((list(params), self._mean(params, "desloc/params")))
+                with stage_range(DESLOC_SYNC_PARAMS):
+                    if left:  # frozen since the last sync: one last exact average, so replicas stay identical
+                        writes.append((list(left), self._mean(left, "desloc/params_left")))
+                    if self._codec is not None:
+                        pairs, new_codec_state = self._compressed_param_sync(params, joined)
+                        writes += pairs
+                    else:
+                        writes.append((list(params), self._mean(params, "desloc/params")))
                 if self.buffers:
-                    writes.append((self.buffers, self._mean(self.buffers, "desloc/buffers")))
+                    with stage_range(DESLOC_SYNC_BUFFERS):
+                        writes.append((self.buffers, self._mean(self.buffers, "desloc/buffers")))
             else:
                 key = name.split("/", 1)[1]
-                if key in self._source_groups:  # a share of the tensors, averaged over the ranks that hold the same share
-                    shared = list(self._sources[key]().values())
-                    writes.append((list(shared), self._mean(shared, f"desloc/state/{key}", group=self._source_groups[key])))
-                    continue
-                values, targets, held = self._state_tensors(key)
-                means = self._mean(values, f"desloc/state/{key}", held=held)
+                with stage_range(desloc_sync_state(key)):
+                    if key in self._source_groups:  # a share of the tensors, averaged over the ranks that hold the same share
+                        shared = list(self._sources[key]().values())
+                        writes.append((list(shared), self._mean(shared, f"desloc/state/{key}", group=self._source_groups[key])))
+                        continue
+                    values, targets, held = self._state_tensors(key)
+                    means = self._mean(values, f"desloc/state/{key}", held=held)
                 writes.append((targets, means))
                 adoptions += self._adoptions(key, params, held, means)
         self._write(writes)

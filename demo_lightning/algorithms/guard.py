@@ -34,9 +34,9 @@ from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
 
 from demo_lightning.comm import Communicator
+from demo_lightning.profiling import GUARD_NONFINITE, stage_range
 
 __all__ = [
     "FIX",
@@ -251,7 +251,7 @@ class NonFiniteGuard:
     def before_update(self, step: Any) -> None:
         params = self.params()
         digest = self.exchange.plan_digest() if self.exchange is not None else None
-        with record_function(GUARD_TAG):
+        with stage_range(GUARD_NONFINITE):
             flags = self.last_flags = gather_nonfinite(params, step.loss, self.comm, GUARD_TAG, digest=digest)
         if self.exchange is not None:
             if not flags.digests_agree:

@@ -16,8 +16,15 @@ on every rank. Encode and decode do not depend on which transport runs.
   :func:`~demo_lightning.codec.saturation_limit` for ``W`` summands, so the sum stays finite and the
   excess stays in the sender's residual. One contribution: the sum.
 
+Profiling: packing one bucket runs inside the stage range ``<names>/transport/pack``, and unpacking
+inside ``<names>/transport/unpack`` (an all-gather: one range per rank's part of the bucket, its runs
+unpacked together before they are yielded; an all-reduce: one per bucket), where ``names`` is the
+user's :class:`~demo_lightning.profiling.StageNames` (``demo`` for the exchange, ``codec`` by
+default). The collective's launch and wait are the caller's (its ``transport`` range).
+
 Failure: a collective that does not complete raises :class:`~demo_lightning.comm.CollectiveError`
-from :meth:`PendingBucket.contributions` (the wait) after the process group's timeout.
+from :meth:`PendingBucket.wait` or :meth:`PendingBucket.contributions` (which waits first) after
+the process group's timeout.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from demo_lightning.algorithms.config import CodecConfig
 from demo_lightning.algorithms.stages.plan import Run
 from demo_lightning.codec import pack_segments, saturate, unpack_segments
 from demo_lightning.comm import CollectiveWork, Communicator
+from demo_lightning.profiling import CODEC, StageNames, stage_range
 
 __all__ = ["AllGatherTransport", "AllReduceTransport", "Contribution", "Outgoing", "PendingBucket", "Transport", "transport_for"]
 
@@ -60,6 +68,10 @@ class PendingBucket(Protocol):
     sent: list[Tensor]
     """Per run of the bucket, this worker's values as every receiver decodes them."""
 
+    def wait(self) -> None:
+        """Block until the collective has completed (idempotent; :meth:`contributions` calls it)."""
+        ...
+
     def contributions(self) -> Iterator[Contribution]:
         """Wait for the collective; yield what to sum, in the same order on every rank."""
         ...
@@ -72,81 +84,106 @@ class Transport(Protocol):
 
 
 class _GatheredBucket:
-    def __init__(self, outgoing: Sequence[Outgoing], sent: list[Tensor], work: CollectiveWork, config: CodecConfig) -> None:
-        self.outgoing, self.sent, self.work, self.config = outgoing, sent, work, config
+    def __init__(
+        self, outgoing: Sequence[Outgoing], sent: list[Tensor], work: CollectiveWork, config: CodecConfig, names: StageNames,
+    ) -> None:
+        self.outgoing, self.sent, self.work, self.config, self.names = outgoing, sent, work, config, names
+
+    def wait(self) -> None:
+        self.work.wait()
 
     def contributions(self) -> Iterator[Contribution]:
         cfg = self.config
         for rank_buf in self.work.wait():  # rank order 0..W-1 on every replica
             offset = 0
-            for out in self.outgoing:
-                run = out.run
-                positions, values = unpack_segments(
-                    rank_buf[offset : offset + run.nbytes], run.tiles, run.family.k, run.family.tile_numel,
-                    cfg.value_format, cfg.sends_positions,
-                )
-                yield Contribution(run, positions, values.to(out.values.dtype))
-                offset += run.nbytes
+            part = []
+            with stage_range(self.names.unpack):  # one rank's runs together: no range stays open across a yield
+                for out in self.outgoing:
+                    run = out.run
+                    positions, values = unpack_segments(
+                        rank_buf[offset : offset + run.nbytes], run.tiles, run.family.k, run.family.tile_numel,
+                        cfg.value_format, cfg.sends_positions,
+                    )
+                    part.append(Contribution(run, positions, values.to(out.values.dtype)))
+                    offset += run.nbytes
+            yield from part
 
 
 class AllGatherTransport:
     """Every rank's positions and values, all-gathered in one ``uint8`` buffer per bucket (over
     ``group``; ``None``: the communicator's own)."""
 
-    def __init__(self, config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.config, self.comm, self.group = config, communicator, group
+    def __init__(
+        self, config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None, names: StageNames = CODEC,
+    ) -> None:
+        self.config, self.comm, self.group, self.names = config, communicator, group, names
 
     def start(self, bucket: Sequence[Outgoing], tag: str) -> PendingBucket:
         cfg = self.config
         buffers, sent = [], []
-        for out in bucket:
-            run = out.run
-            buf, decoded = pack_segments(out.positions if cfg.sends_positions else None, out.values, run.tiles,
-                                         run.family.tile_numel, cfg.value_format)
-            buffers.append(buf)
-            sent.append(decoded.to(out.values.dtype))
-        payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
+        with stage_range(self.names.pack):
+            for out in bucket:
+                run = out.run
+                buf, decoded = pack_segments(out.positions if cfg.sends_positions else None, out.values, run.tiles,
+                                             run.family.tile_numel, cfg.value_format)
+                buffers.append(buf)
+                sent.append(decoded.to(out.values.dtype))
+            payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
         work = self.comm.all_gather_bytes(payload, f"{tag}/{'topk' if cfg.sends_positions else 'values'}", group=self.group)
-        return _GatheredBucket(bucket, sent, work, cfg)
+        return _GatheredBucket(bucket, sent, work, cfg, self.names)
 
 
 class _ReducedBucket:
-    def __init__(self, outgoing: Sequence[Outgoing], sent: list[Tensor], flat: Tensor, work: CollectiveWork) -> None:
-        self.outgoing, self.sent, self.flat, self.work = outgoing, sent, flat, work
+    def __init__(
+        self, outgoing: Sequence[Outgoing], sent: list[Tensor], flat: Tensor, work: CollectiveWork, names: StageNames,
+    ) -> None:
+        self.outgoing, self.sent, self.flat, self.work, self.names = outgoing, sent, flat, work, names
+
+    def wait(self) -> None:
+        self.work.wait()
 
     def contributions(self) -> Iterator[Contribution]:
         self.work.wait()
         offset = 0
-        for out in self.outgoing:
-            n = out.values.numel()
-            yield Contribution(out.run, None, self.flat[offset : offset + n].view_as(out.values).to(out.values.dtype))
-            offset += n
+        part = []
+        with stage_range(self.names.unpack):  # the sum's runs, in the compute dtype
+            for out in self.outgoing:
+                n = out.values.numel()
+                part.append(Contribution(out.run, None, self.flat[offset : offset + n].view_as(out.values).to(out.values.dtype)))
+                offset += n
+        yield from part
 
 
 class AllReduceTransport:
     """Values at fixed positions in the wire dtype, summed by one all-reduce per bucket (over
     ``group``; ``None``: the communicator's own)."""
 
-    def __init__(self, config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self, config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None, names: StageNames = CODEC,
+    ) -> None:
         if not config.all_reduces:
             raise ValueError(
                 f"an all-reduce needs selection='shared', or 'lowpass' with a float value_format, got {config.selection!r}/{config.value_format!r}"
             )
-        self.config, self.comm, self.group = config, communicator, group
+        self.config, self.comm, self.group, self.names = config, communicator, group, names
 
     def start(self, bucket: Sequence[Outgoing], tag: str) -> PendingBucket:
         parts, sent = [], []
-        for out in bucket:
-            narrow = saturate(out.values, self.config.value_format, self.comm.world_size_of(self.group))
-            sent.append(narrow.to(out.values.dtype))
-            parts.append(narrow.reshape(-1))
-        flat = torch.cat(parts)  # a fresh buffer: the all-reduce sums in place
+        with stage_range(self.names.pack):
+            for out in bucket:
+                narrow = saturate(out.values, self.config.value_format, self.comm.world_size_of(self.group))
+                sent.append(narrow.to(out.values.dtype))
+                parts.append(narrow.reshape(-1))
+            flat = torch.cat(parts)  # a fresh buffer: the all-reduce sums in place
         work = self.comm.all_reduce_sum_(flat, f"{tag}/{self.config.selection}", group=self.group)
-        return _ReducedBucket(bucket, sent, flat, work)
+        return _ReducedBucket(bucket, sent, flat, work, self.names)
 
 
-def transport_for(config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None) -> Transport:
+def transport_for(
+    config: CodecConfig, communicator: Communicator, group: Optional[dist.ProcessGroup] = None, names: StageNames = CODEC,
+) -> Transport:
     """The transport the settings call for, over ``group`` (``None``: the communicator's own): an
-    all-reduce for low-pass float values, else an all-gather."""
+    all-reduce for low-pass float values, else an all-gather; its pack and unpack ranges are named
+    after ``names``."""
     kind = AllReduceTransport if config.all_reduces else AllGatherTransport
-    return kind(config, communicator, group)
+    return kind(config, communicator, group, names)
