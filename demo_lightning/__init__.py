@@ -1,13 +1,15 @@
 """demo_lightning: communication-efficient distributed training for PyTorch Lightning.
 
-``import demo_lightning`` registers the strategy names ``"demo"`` and ``"desloc"``, so that
-``Trainer(strategy="demo", devices=N, num_nodes=M)`` trains with DeMo's compressed momentum
+``import demo_lightning`` registers the strategy names ``"demo"`` and ``"desloc"`` with the Trainer
+and with Fabric, so that ``Trainer(strategy="demo", devices=N, num_nodes=M)`` (or
+``Fabric(strategy="demo", ...)`` for a loop you write) trains with DeMo's compressed momentum
 exchange (arXiv 2411.19870) in place of DDP's gradient all-reduce, and ``strategy="desloc"`` with
 DES-LOC's desynchronised periodic averaging (arXiv 2505.22549).
 
 The public surface, importable from here:
 
-* strategies: :class:`DeMoStrategy`, :class:`DesLocStrategy`;
+* strategies: :class:`DeMoStrategy`, :class:`DesLocStrategy` (Trainer), :class:`DeMoFabricStrategy`,
+  :class:`DesLocFabricStrategy` (Fabric);
 * configs: :class:`DeMoConfig`, :class:`CodecConfig`, :class:`DesLocConfig`, and per-tensor
   :class:`TensorSettings` / :class:`TensorCodec`;
 * algorithms usable without Lightning: :class:`DeMoExchange`, :class:`DesLocAverager`,
@@ -19,6 +21,7 @@ The public surface, importable from here:
   (with :class:`LayerRule` and :class:`Schedule`); the optimizer :class:`DecoupledMomentum`.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from demo_lightning.algorithms.compressed_mean import CompressedMean
@@ -31,12 +34,14 @@ from demo_lightning.callbacks import AdaptiveKeepRatio, CommunicationMonitor, La
 from demo_lightning.comm import ByteLedger, CollectiveError, CollectiveWork, Communicator
 from demo_lightning.optim import DecoupledMomentum
 from demo_lightning.schedules import Schedule
-from demo_lightning.strategies import DeMoStrategy, DesLocStrategy
+from demo_lightning.strategies import DeMoFabricStrategy, DeMoStrategy, DesLocFabricStrategy, DesLocStrategy
 
 __version__ = "0.1.0"
 
 DeMoStrategy.register_strategies(StrategyRegistry)
 DesLocStrategy.register_strategies(StrategyRegistry)
+DeMoFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+DesLocFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "AdaptiveKeepRatio",
@@ -49,10 +54,12 @@ __all__ = [
     "CompressedMean",
     "DeMoConfig",
     "DeMoExchange",
+    "DeMoFabricStrategy",
     "DeMoStrategy",
     "DecoupledMomentum",
     "DesLocAverager",
     "DesLocConfig",
+    "DesLocFabricStrategy",
     "DesLocStrategy",
     "LayerPolicy",
     "LayerRule",

@@ -322,23 +322,22 @@ def test_settings_changed_on_one_rank_stop_both_processes_with_the_same_error(tm
 
 
 def test_the_guard_checks_a_param_group_added_after_setup() -> None:
-    """The strategy's participants read the optimizer's groups at every step (BackboneFinetuning adds
+    """The runtime's participants read the optimizer's groups at every step (BackboneFinetuning adds
     a group mid-fit): a NaN in the new group's gradient skips the step instead of entering the mean."""
-    from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange
-    from demo_lightning.algorithms.participants import StepContext, run_step
-    from demo_lightning.comm import Communicator
-    from demo_lightning.strategies import DeMoStrategy
+    from datetime import timedelta
+
+    from demo_lightning.algorithms import CodecConfig, DeMoConfig
+    from demo_lightning.strategies.runtime import CommunicationRuntime
 
     a, b = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([a], lr=0.1)
-    strategy = DeMoStrategy(update="raw")
-    strategy._communicator = Communicator()
-    strategy._exchanges[id(opt)] = DeMoExchange(opt, DeMoConfig(CodecConfig(dense_below=0), update="raw"), strategy._communicator)
-    participants = strategy._build_participants(opt)
+    runtime = CommunicationRuntime(DeMoConfig(CodecConfig(dense_below=0), update="raw"), None, "skip", "flat", timedelta(seconds=60))
+    runtime.attach(opt, [], "test")
     opt.add_param_group({"params": [b]})
     a.grad, b.grad = torch.randn(64, 64), torch.randn(64, 64)
     b.grad[3, 4] = float("nan")
     before = b.detach().clone()
-    step = StepContext(loss=torch.tensor(1.0))
-    run_step(participants, opt.step, step)
-    assert step.skip and torch.equal(b, before) and not torch.isnan(strategy.exchanges[0].momentum(b)).any()
+    with pytest.warns(UserWarning, match="Skipped this optimizer step"):
+        runtime.step(opt, opt.step, loss=torch.tensor(1.0))
+    assert runtime.last_step_skipped and runtime.skipped_steps == 1 and torch.equal(b, before)
+    assert not torch.isnan(runtime.exchanges[0].momentum(b)).any()

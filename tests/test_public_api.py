@@ -1,6 +1,6 @@
 """The package's public surface: ``demo_lightning.__all__`` is what ``from demo_lightning import ...``
 gives, each name the very object its home module defines, and importing the package registers
-the strategy names ``"demo"`` and ``"desloc"`` with Lightning."""
+the strategy names ``"demo"`` and ``"desloc"`` with Lightning's Trainer and Fabric."""
 
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ HOMES = {
     "CompressedMean": "demo_lightning.algorithms.compressed_mean",
     "DeMoConfig": "demo_lightning.algorithms.demo",
     "DeMoExchange": "demo_lightning.algorithms.demo",
+    "DeMoFabricStrategy": "demo_lightning.strategies.fabric",
     "DeMoStrategy": "demo_lightning.strategies.demo",
     "DecoupledMomentum": "demo_lightning.optim.decoupled_momentum",
     "DesLocAverager": "demo_lightning.algorithms.desloc",
     "DesLocConfig": "demo_lightning.algorithms.desloc",
+    "DesLocFabricStrategy": "demo_lightning.strategies.fabric",
     "DesLocStrategy": "demo_lightning.strategies.desloc",
     "LayerPolicy": "demo_lightning.callbacks.layer_policy",
     "LayerRule": "demo_lightning.callbacks.layer_policy",
@@ -83,3 +85,12 @@ def test_registering_again_adds_nothing() -> None:
     demo_lightning.DeMoStrategy.register_strategies(StrategyRegistry)
     demo_lightning.DesLocStrategy.register_strategies(StrategyRegistry)
     assert list(StrategyRegistry) == before
+
+
+@pytest.mark.parametrize(("name", "cls"), [("demo", demo_lightning.DeMoFabricStrategy), ("desloc", demo_lightning.DesLocFabricStrategy)])
+def test_fabric_strategy_names_resolve_to_the_classes(name: str, cls: type) -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    assert STRATEGY_REGISTRY[name]["strategy"] is cls
+    assert type(Fabric(strategy=name, accelerator="cpu", devices=1).strategy) is cls

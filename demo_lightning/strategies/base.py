@@ -19,87 +19,49 @@ still load as before.
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union, get_args
+from typing import Any, Callable, Optional, Union
 
-import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from demo_lightning.algorithms import DEMO_STATE_KEY, DeMoConfig, DeMoExchange, warn_if_stateful
-from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
-from demo_lightning.algorithms.guard import FIX, NonFiniteGuard, NonFinitePolicy, check_nonfinite_policy
-from demo_lightning.algorithms.participants import StepContext, StepParticipant, run_step
-from demo_lightning.comm import ByteLedger, Communicator, NodeGroups, NodeTopology, StepTraffic, build_node_groups, ddp_bytes_for, human_bytes
-from demo_lightning.strategies.shards import (
-    SHARD_FORMAT, SHARD_VERSION, SHARDS_LAYOUT, CheckpointShardError, ShardReader, remove_shard, shard_dir, write_shard,
-)
-from demo_lightning.validation import check_choice, is_number
+from demo_lightning.algorithms.participants import StepParticipant
+from demo_lightning.comm import human_bytes
+from demo_lightning.profiling import SinkHandle, add_sink, lightning_sink
+from demo_lightning.strategies.front import CommunicationFront
+from demo_lightning.strategies.options import as_timedelta
+from demo_lightning.strategies.runtime import CHECKPOINT_KEY, record_of, strip_record
+from demo_lightning.strategies.shards import SHARDS_LAYOUT, remove_shard, shard_dir
 
-__all__ = ["CommunicationStrategy", "as_timedelta"]
-
-_CHECKPOINT_KEY = "demo_lightning"
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-Hierarchy = Literal["flat", "node"]
-HIERARCHIES: tuple[str, ...] = get_args(Hierarchy)
-
-
-def as_timedelta(timeout: Union[float, int, timedelta], name: str = "timeout") -> timedelta:
-    """Seconds or a ``timedelta`` -> ``timedelta``; rejects non-positive values naming ``name``."""
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif is_number(timeout):
-        seconds = float(timeout)
-    else:
-        raise ValueError(f"{name} must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
-    if not seconds > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {seconds}; collectives that exceed it raise on every rank")
-    return timedelta(seconds=seconds)
-
-
-def _check_start_method(start_method: Any) -> None:
-    check_choice(
-        "start_method", start_method, get_args(StartMethod),
-        "'popen', the default, re-runs the script for each local process; 'spawn' starts fresh interpreters, for where "
-        "re-running the command line is wrong, e.g. pytest",
-    )
-
-
-def _check_backend(backend: Any) -> None:
-    """Reject a process-group backend torch does not know at construction (torch would fail at fit start)."""
-    if backend is None:
-        return
-    known = [b for b in dist.Backend.backend_list if b != "undefined"]
-    # torch also accepts per-device forms such as "cpu:gloo,cuda:nccl"
-    parts = [p.split(":")[-1].strip().lower() for p in backend.split(",")] if isinstance(backend, str) else []
-    if not parts or any(p not in known for p in parts):
-        raise ValueError(
-            f"process_group_backend must be one of {known} (or None to choose from the device: 'gloo' on CPU, 'nccl' on "
-            f"GPU), got {backend!r}"
-        )
+__all__ = ["CommunicationStrategy", "as_timedelta", "name_shards"]
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _stamp(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """What ties a Trainer checkpoint's shards to its main file."""
+    return {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+
+
+def name_shards(states: list[Any], entries: list[Optional[dict[str, Any]]], filepath: _PATH) -> list[Any]:
+    """The optimizer entries of the main file, each with a shard entry naming the shard directory."""
+    name = os.path.basename(shard_dir(filepath))
+    named = [{**s, CHECKPOINT_KEY: {**s[CHECKPOINT_KEY], "shards": name}} if e is not None else s for s, e in zip(states, entries)]
+    return named + states[len(named):]
 
 
 PROGRESS_BAR_KEY = "comm/sent"
@@ -137,132 +99,28 @@ class _ProgressBarTraffic:
             bar.get_metrics = cls(current, strategy)  # type: ignore[method-assign]
 
 
-class CommunicationStrategy(DDPStrategy):
-    """Base of ``DeMoStrategy`` and ``DesLocStrategy`` (not registered itself)."""
+class CommunicationStrategy(CommunicationFront, DDPStrategy):
+    """Base of ``DeMoStrategy`` and ``DesLocStrategy`` (not registered itself).
 
-    strategy_name: str = ""
-    strategy_description: str = ""
+    The algorithms' per-process state and step live in :attr:`runtime`
+    (:class:`~demo_lightning.strategies.runtime.CommunicationRuntime`, shared with the Fabric
+    strategies); this class connects it to the Trainer's hooks, logging and checkpoints.
+    """
 
-    @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        # DDPStrategy's own would re-register the ddp* names; register only this class's name, once
-        if cls.strategy_name and cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description)
-
-    def __init__(
-        self,
-        demo_config: Optional[DeMoConfig],
-        desloc_config: Optional[DesLocConfig],
-        process_group_backend: Optional[str],
-        timeout: Union[float, timedelta],
-        start_method: StartMethod,
-        accelerator: Optional[Accelerator],
-        parallel_devices: Optional[list[torch.device]],
-        cluster_environment: Optional[ClusterEnvironment],
-        checkpoint_io: Optional[CheckpointIO],
-        precision_plugin: Optional[Precision],
-        nonfinite: NonFinitePolicy = "skip",
-        hierarchy: Hierarchy = "flat",
-    ) -> None:
-        self.nonfinite: NonFinitePolicy = check_nonfinite_policy(nonfinite)
-        check_choice("hierarchy", hierarchy, HIERARCHIES)
-        self.hierarchy: Hierarchy = hierarchy
-        _check_start_method(start_method)
-        _check_backend(process_group_backend)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=as_timedelta(timeout),
-            start_method=start_method,
-        )
-        self.demo_config = demo_config
-        self.desloc_config = desloc_config if desloc_config is not None and desloc_config.enabled else None
-        self.ledger = ByteLedger()
-        self.last_traffic: Optional[StepTraffic] = None
-        self._communicator: Optional[Communicator] = None
-        self._topology: Optional[NodeTopology] = None
-        self.node_groups: Optional[NodeGroups] = None
-        """The intra- and inter-node groups under ``hierarchy="node"`` (``None``: flat)."""
-        self._exchanges: dict[int, DeMoExchange] = {}
-        self._averagers: dict[int, DesLocAverager] = {}
-        self._participants: dict[int, list[StepParticipant]] = {}
-        self.skipped_steps = 0  # optimizer steps skipped for non-finite values (checkpointed)
-        self.last_step_skipped = False
-        self._warned_skip = False
-
-    # ------------------------------------------------------------------ public
-    @property
-    def communicator(self) -> Communicator:
-        """Collectives of this strategy (created once the process group exists)."""
-        if self._communicator is None:
-            self._communicator = Communicator(ledger=self.ledger, timeout=self._timeout, device=self.root_device, topology=self._topology)
-        return self._communicator
-
-    @property
-    def topology(self) -> NodeTopology:
-        """Which ranks share a node (agreed across ranks when the process group was set up)."""
-        return self._topology if self._topology is not None else NodeTopology.single_node(self.world_size)
-
-    @property
-    def exchanges(self) -> list[DeMoExchange]:
-        """One DeMo exchange per optimizer (empty without DeMo)."""
-        return list(self._exchanges.values())
-
-    @property
-    def averagers(self) -> list[DesLocAverager]:
-        """One DES-LOC averager per optimizer (empty when no period is set)."""
-        return list(self._averagers.values())
+    def _init_parallel(self, **settings: Any) -> None:
+        DDPStrategy.__init__(self, **settings)
 
     # ------------------------------------------------------------------ setup
     @override
     def setup_distributed(self) -> None:
-        """DDP's process group, destroyed at interpreter exit whatever its backend.
-
-        Lightning registers the destruction for NCCL only. A gloo group left to interpreter
-        finalisation can abort the process after training finished (``terminate called without an
-        active exception``, SIGABRT): its worker threads still hold work objects when the
-        interpreter tears down. A group the user created before the Trainer is the user's to destroy.
-        """
+        """DDP's process group, then the runtime's topology and node groups
+        (:meth:`CommunicationRuntime.connect`: the group this strategy created is destroyed at
+        interpreter exit whatever its backend; Lightning registers that for NCCL only)."""
         created = not dist.is_initialized()
         super().setup_distributed()
-        if created and dist.is_initialized():
-            atexit.register(_destroy_dist_connection)  # a no-op if the group is already gone
-        self._topology = self._agree_topology()
-        self._communicator = None
-        if self.hierarchy == "node" and self.node_groups is None:
-            topology = self._topology
-            if topology.num_nodes < 2 or topology.ranks_per_node < 2:
-                rank_zero_warn(
-                    f"hierarchy='node' needs several nodes of several processes, this run has {topology.num_nodes} node(s) "
-                    f"of {topology.ranks_per_node} process(es): running flat (every rank a DeMo worker)"
-                )
-            else:
-                self.node_groups = build_node_groups(topology)
-
-    def _agree_topology(self) -> NodeTopology:
-        """The job's nodes from Lightning's cluster environment, checked on every rank (one all-gather).
-
-        Raises ``ValueError`` on every rank if the nodes run different numbers of processes, or if
-        ranks are not numbered node-major (``global_rank == node_rank * devices + local_rank``).
-        """
-        world = self.world_size
-        if not (dist.is_available() and dist.is_initialized()) or world == 1:
-            return NodeTopology.single_node(world)
-        mine = torch.tensor([self.global_rank, self.node_rank, self.local_rank, self.num_processes], dtype=torch.int64, device=self.root_device)
-        # recorded below, once its link class is known
-        gathered = Communicator(timeout=self._timeout, device=self.root_device).all_gather_bytes(
-            mine.view(torch.uint8), "setup/topology", per_step=False
-        ).wait()
-        topology = NodeTopology.from_ranks([g.view(torch.int64).cpu().tolist() for g in gathered])
-        every = range(world)
-        self.ledger.record("all_gather", "setup/topology", mine.numel() * mine.element_size(), world, per_step=False,
-                           rank=self.global_rank, link=topology.link_of(every), inter_share=topology.inter_share(every, self.global_rank))
-        return topology
+        self.runtime.connect(created_group=created, device=self.root_device, global_rank=self.global_rank,
+                             node_rank=self.node_rank, local_rank=self.local_rank, num_processes=self.num_processes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -272,12 +130,25 @@ class CommunicationStrategy(DDPStrategy):
                 "possibly non-finite gradients would enter each worker's local state. Use precision='bf16-mixed' or "
                 "'32-true'."
             )
-        self._communicator = None
+        self.runtime.reset_communicator(self.root_device)
         super().setup(trainer)
+        self._report_stages_to(trainer)
         if trainer.progress_bar_callback is not None:
             _ProgressBarTraffic.install(trainer.progress_bar_callback, self)
         if trainer.state.fn == TrainerFn.FITTING:
+            _warn_if_compile_misses_training_step(self.lightning_module)
             self._attach()
+
+    _stage_sink: Optional[SinkHandle] = None
+
+    def _report_stages_to(self, trainer: Trainer) -> None:
+        """Report the exchange's and the averaging's stage ranges (:mod:`demo_lightning.profiling`) to
+        the Trainer's profiler as actions of its own (``SimpleProfiler``, ``AdvancedProfiler``: e.g.
+        ``demo/encode``); ``PyTorchProfiler`` records them as ``record_function`` ranges already."""
+        if self._stage_sink is not None:
+            self._stage_sink.remove()
+        sink = lightning_sink(trainer.profiler)
+        self._stage_sink = add_sink(sink) if sink is not None else None
 
     @override
     def configure_ddp(self) -> None:
@@ -286,53 +157,15 @@ class CommunicationStrategy(DDPStrategy):
         self.communicator.broadcast_tensors_([*self.model.parameters(), *self.model.buffers()], "setup/broadcast_module")
 
     def _attach(self) -> None:
-        self._detach()
+        self.runtime.detach()
         assert self.model is not None
         for position, optimizer in enumerate(map(_unwrap, self.optimizers)):
-            if isinstance(optimizer, torch.optim.LBFGS):
-                raise ValueError(
-                    f"{type(self).__name__} cannot drive LBFGS: it evaluates the closure several times per step. "
-                    "Use a first-order optimizer (SGD, AdamW, ...)."
-                )
-            if hasattr(optimizer, "consolidate_state_dict"):
-                raise ValueError(
-                    f"{type(self).__name__} cannot use the sharded optimizer {type(optimizer).__name__}: every rank "
-                    "keeps its full optimizer state. Use the plain optimizer it wraps."
-                )
-            if self.demo_config is not None:
-                if self.demo_config.update == "sign":
-                    message = warn_if_stateful(optimizer)
-                    if message:
-                        rank_zero_warn(message)
-                self._exchanges[id(optimizer)] = DeMoExchange(optimizer, self.demo_config, self.communicator, self.node_groups)
-            if self.desloc_config is not None:
-                buffers = list(self.model.buffers()) if position == 0 else []
-                self._averagers[id(optimizer)] = DesLocAverager(optimizer, self.desloc_config, self.communicator, buffers)
-            self._participants[id(optimizer)] = self._build_participants(optimizer)
+            buffers = list(self.model.buffers()) if position == 0 else []
+            self.runtime.attach(optimizer, buffers, type(self).__name__, before_update=self._clip_local_gradients)
 
     def _build_participants(self, optimizer: Optimizer) -> list[StepParticipant]:
-        """``[guard, (local clipping), (averager), (exchange)]``: see :meth:`optimizer_step`."""
-        exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
-        if exchange is None and averager is None:
-            return []
-        def params() -> list[Tensor]:  # read at every step: a param group added later is checked too
-            return [p for g in optimizer.param_groups for p in g["params"]]
-
-        participants: list[StepParticipant] = [NonFiniteGuard(params, self.communicator, self.nonfinite, exchange)]
-        if exchange is not None:
-            participants.append(_LocalClipping(self, optimizer))
-        if averager is not None:
-            if exchange is not None:
-                averager.add_state_source(DEMO_STATE_KEY, exchange.averaged_state, group=exchange.group)
-            participants.append(averager)
-        if exchange is not None:
-            participants.append(exchange)
-        return participants
-
-    def _detach(self) -> None:
-        for exchange in self._exchanges.values():
-            exchange.remove()
-        self._exchanges, self._averagers, self._participants = {}, {}, {}
+        """``[guard, local clipping, (averager), (exchange)]``: see :meth:`optimizer_step`."""
+        return self.runtime.build_participants(optimizer, self._clip_local_gradients)
 
     @override
     def on_train_end(self) -> None:
@@ -341,18 +174,14 @@ class CommunicationStrategy(DDPStrategy):
         Not for an optimizer that a DeMo exchange drives: its replicas are identical at every step.
         """
         super().on_train_end()
-        if self.desloc_config is not None and self.desloc_config.final_sync:
-            for key, averager in self._averagers.items():
-                if key not in self._exchanges:
-                    averager.final_sync()
+        self.runtime.final_sync()
 
     @override
     def teardown(self) -> None:
-        for exchange in self._exchanges.values():
-            exchange.remove()
-        if self.node_groups is not None:
-            self.node_groups.destroy()
-            self.node_groups = None
+        self.runtime.close()
+        if self._stage_sink is not None:
+            self._stage_sink.remove()
+            self._stage_sink = None
         super().teardown()
 
     # ------------------------------------------------------------------ step
@@ -402,46 +231,23 @@ class CommunicationStrategy(DDPStrategy):
         in an earlier micro-batch shows through the accumulated gradients.
         """
         raw = _unwrap(optimizer)
-        participants = self._participants.get(id(raw))
-        if not participants:
+        if not self.runtime.manages(raw):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        exchange = self._exchanges.get(id(raw))
+        exchange = self.runtime.exchange_of(raw)
         closure_result = closure()  # forward + backward of the last micro-batch
-        params = [p for g in raw.param_groups for p in g["params"]]
-        step = StepContext(loss=closure_result, step=self._global_step())
 
         def update() -> Any:
             with _without_lightning_clipping(self.precision_plugin) if exchange is not None else nullcontext():
                 return super(CommunicationStrategy, self).optimizer_step(optimizer, lambda: closure_result, model, **kwargs)
 
-        self.ledger.begin_step()
-        try:
-            output = run_step(participants, update, step)
-        finally:
-            ddp = ddp_bytes_for([p for p in params if p.requires_grad], self.communicator.world_size)
-            self.last_traffic = self.ledger.end_step(ddp, self.topology.ddp_inter_node_bytes(ddp))
-        self.last_step_skipped = step.skip
-        if step.skip:
-            output = closure_result
-            self.skipped_steps += 1
-            if not self._warned_skip:
-                self._warned_skip = True
-                guard = participants[0]
-                assert isinstance(guard, NonFiniteGuard) and guard.last_flags is not None
-                rank_zero_warn(
-                    f"{guard.last_flags.summary(self._global_step())}. Skipped this optimizer step on every rank "
-                    "(nonfinite='skip'): parameters, optimizer state and exchange state are unchanged. Further skips "
-                    f"are counted in guard/skipped_steps without a warning. If they recur: {FIX}; "
-                    "nonfinite='raise' stops training instead."
-                )
-        self._log_traffic(self.last_traffic)
-        self._log_guard()
+        output = self.runtime.step(raw, update, closure_result, self._global_step())
+        self._log_metrics()
         return output
 
-    def _clip_local_gradients(self, optimizer: Optimizer, model: Optional[Union[LightningModule, Module]]) -> None:
+    def _clip_local_gradients(self, optimizer: Optimizer) -> None:
         """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` (through the module's
         ``configure_gradient_clipping`` hook) applied to this worker's own gradient, before the exchange."""
-        module = model if isinstance(model, LightningModule) else self.lightning_module
+        module = self.lightning_module
         if module is None or module._trainer is None:
             return
         trainer = module.trainer
@@ -453,19 +259,10 @@ class CommunicationStrategy(DDPStrategy):
         module = self.lightning_module
         return None if module is None or module._trainer is None else module._trainer.global_step
 
-    def _log_guard(self) -> None:
-        """Log the cumulative count of skipped steps (the same on every rank)."""
-        module = self.lightning_module
-        if module is None or module._trainer is None:
-            return
-        module.log_dict(
-            {"guard/skipped_steps": float(self.skipped_steps)},
-            on_step=True, on_epoch=False, batch_size=1, sync_dist=False,
-        )
-
-    def _log_traffic(self, traffic: StepTraffic) -> None:
-        """Log this step's bytes and the ratio to DDP over all steps so far (periodic syncs make a
-        single step's ratio swing between infinity and a fraction).
+    def _log_metrics(self) -> None:
+        """Log this step's bytes, the ratio to DDP over all steps so far (periodic syncs make a single
+        step's ratio swing between infinity and a fraction) and the cumulative count of skipped steps
+        (the same on every rank): :meth:`CommunicationRuntime.metrics`.
 
         The logged values are numbers (for TensorBoard and ``callback_metrics``); the progress bar
         shows this step's bytes sent as a human size instead (``comm/sent=62.4 kB/step``, added by
@@ -473,35 +270,11 @@ class CommunicationStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None or module._trainer is None:
             return
-        options: dict[str, Any] = dict(on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
-        module.log_dict(
-            {
-                "comm/bytes_sent_per_step": float(traffic.sent_bytes),
-                "comm/bytes_received_per_step": float(traffic.received_bytes),
-                "comm/inter_node_bytes_per_step": float(traffic.inter_node_bytes),
-                "comm/intra_node_bytes_per_step": float(traffic.intra_node_bytes),
-                "comm/ratio_vs_ddp": float(self.ledger.cumulative_ratio_vs_ddp),
-            },
-            **options,
-        )
+        module.log_dict(self.runtime.metrics(), on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
     # ------------------------------------------------------------------ checkpoints
     _checkpoint_path: Optional[str] = None
     """The file :meth:`load_checkpoint` read last; :meth:`load_optimizer_state_dict` reads its shards."""
-
-    def _local_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's own part of ``optimizer``'s training state."""
-        local: dict[str, Any] = {}
-        exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
-        if exchange is not None:
-            local["demo_exchange"] = exchange.state_dict()
-        if averager is not None:
-            local["optimizer"] = optimizer.state_dict()
-            local["desloc"] = averager.state_dict()
-            replica, buffers = averager.local_replica()  # this rank's own, also right after the final sync
-            local["params"] = [p.clone() for p in replica]
-            local["buffers"] = [b.clone() for b in buffers]
-        return local
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -513,17 +286,8 @@ class CommunicationStrategy(DDPStrategy):
         """
         optimizer = _unwrap(optimizer)
         state = super().optimizer_state(optimizer)
-        if id(optimizer) not in self._exchanges and id(optimizer) not in self._averagers:
-            return state
-        return {
-            **state,
-            _CHECKPOINT_KEY: {
-                "layout": SHARDS_LAYOUT,
-                "version": SHARD_VERSION,
-                "world_size": self.communicator.world_size,
-                "skipped_steps": self.skipped_steps,
-            },
-        }
+        record = self.runtime.record(optimizer)
+        return state if record is None else {**state, CHECKPOINT_KEY: record}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -541,19 +305,13 @@ class CommunicationStrategy(DDPStrategy):
         """
         states = list(checkpoint.get("optimizer_states") or [])
         entries = [
-            self._local_state(_unwrap(optimizer)) if (_record(state) or {}).get("layout") == SHARDS_LAYOUT else None
+            self.runtime.local_state(_unwrap(optimizer)) if (record_of(state) or {}).get("layout") == SHARDS_LAYOUT else None
             for optimizer, state in zip(self.optimizers, states)
         ]
         if any(entry is not None for entry in entries):
-            name = os.path.basename(shard_dir(filepath))
-            named = [{**s, _CHECKPOINT_KEY: {**s[_CHECKPOINT_KEY], "shards": name}} if e is not None else s for s, e in zip(states, entries)]
-            checkpoint = {**checkpoint, "optimizer_states": named + states[len(named):]}
-            shard = {
-                "format": SHARD_FORMAT, "version": SHARD_VERSION, "rank": self.global_rank, "world_size": self.world_size,
-                "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"), "optimizers": entries,
-            }
-            write_shard(filepath, self.global_rank, shard)
-            del shard, entries
+            checkpoint = {**checkpoint, "optimizer_states": name_shards(states, entries, filepath)}
+            self.runtime.write_shard(filepath, entries, _stamp(checkpoint))
+            del entries
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -597,103 +355,29 @@ class CommunicationStrategy(DDPStrategy):
             ValueError: the saved per-worker parameters or buffers do not fit this model.
         """
         optimizer_states = checkpoint["optimizer_states"]
-        extras = [_record(s) for s in optimizer_states]
-        stripped = [{k: v for k, v in s.items() if k != _CHECKPOINT_KEY} if isinstance(s, dict) else s for s in optimizer_states]
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": stripped})
-        world, rank = self.communicator.world_size, self.communicator.rank
-        sources, problem = self._per_rank_sources(checkpoint, extras, world, rank)
-        if any(extra is not None and extra.get("layout") == SHARDS_LAYOUT for extra in extras):
-            problems = [p for p in self.communicator.all_gather_object(problem, "checkpoint/shards") if p]
-            if problems:
-                raise CheckpointShardError("\n".join(problems))
-        elif problem is not None:
-            raise CheckpointShardError(problem)
-        other: Optional[int] = None
-        for optimizer, extra, (mine, rank0) in zip(map(_unwrap, self.optimizers), extras, sources):
-            if extra is None:
-                continue
-            self.skipped_steps = int(extra.get("skipped_steps", self.skipped_steps))
-            if mine is None:
-                other = int(extra["world_size"])
-            self._restore_local(optimizer, mine, rank0)
-        if other is not None:
-            rank_zero_warn(
-                f"The checkpoint's per-worker state comes from {other} workers, this run has {world}: parameters and rank 0's "
-                "optimizer state are restored; DeMo momenta restart from zero and the DES-LOC schedule from rank 0's position."
-            )
-
-    def _per_rank_sources(
-        self, checkpoint: Mapping[str, Any], extras: list[Optional[dict[str, Any]]], world: int, rank: int
-    ) -> tuple[list[tuple[Optional[dict[str, Any]], dict[str, Any]]], Optional[str]]:
-        """Per optimizer ``(this rank's saved entry or None, rank 0's entry or {})``, or the problem that
-        prevents reading them (a :class:`CheckpointShardError`'s message). Reads files, no collective."""
-        sources: list[tuple[Optional[dict[str, Any]], dict[str, Any]]] = []
-        reader: Optional[ShardReader] = None
-        try:
-            for position, (optimizer, extra) in enumerate(zip(map(_unwrap, self.optimizers), extras)):
-                if extra is None:
-                    sources.append((None, {}))
-                    continue
-                saved_world = int(extra["world_size"])
-                if extra.get("layout") != SHARDS_LAYOUT:  # gathered: every rank's state in the main file
-                    per_rank = extra["per_rank"]
-                    sources.append((per_rank[rank] if saved_world == world else None, per_rank[0]))
-                    continue
-                if self._checkpoint_path is None:
-                    raise CheckpointShardError(
-                        f"rank {rank}: the checkpoint keeps each rank's state in shard files beside it, but its path is not "
-                        "known: load it through the strategy's load_checkpoint(path) (as Trainer.fit(ckpt_path=...) does)"
-                    )
-                reader = reader if reader is not None else ShardReader(self._checkpoint_path, extra, checkpoint)
-                if saved_world == world:
-                    mine = reader.entry(rank, position, rank)
-                    sources.append((mine, mine))
-                elif id(optimizer) in self._averagers:  # another world size: rank 0's DES-LOC schedule
-                    why = f" (saved by {saved_world} ranks, this run has {world}: every rank takes rank 0's DES-LOC schedule)"
-                    sources.append((None, reader.entry(0, position, rank, why)))
-                else:  # another world size, no DES-LOC: DeMo momenta restart from zero, no shard needed
-                    sources.append((None, {}))
-        except CheckpointShardError as error:
-            return [], str(error)
-        return sources, None
-
-    def _restore_local(self, optimizer: Optimizer, mine: Optional[dict[str, Any]], rank0: dict[str, Any]) -> None:
-        exchange, averager = self._exchanges.get(id(optimizer)), self._averagers.get(id(optimizer))
-        if averager is not None and "desloc" in rank0:
-            source = mine if mine is not None else rank0
-            if mine is not None:
-                optimizer.load_state_dict(mine["optimizer"])
-                with torch.no_grad():
-                    _copy_all(averager.parameters(), mine["params"], "parameters")
-                    _copy_all(averager.buffers, mine["buffers"], "buffers")
-            averager.load_state_dict(source["desloc"])
-        if exchange is not None:
-            if mine is not None and "demo_exchange" in mine:
-                exchange.load_state_dict(mine["demo_exchange"])
-            elif mine is not None and "demo_momentum" in mine:  # layout version 1: parameter-shaped momenta by index
-                exchange.load_state_dict(mine["demo_momentum"])
-            else:
-                exchange.clear_state()
+        records = [record_of(s) for s in optimizer_states]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": [strip_record(s) for s in optimizer_states]})
+        self.runtime.restore(self._checkpoint_path, list(map(_unwrap, self.optimizers)), records, _stamp(checkpoint))
 
 
-class _LocalClipping:
-    """Step participant: Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` on this
-    worker's own gradient, before the exchange (see :meth:`CommunicationStrategy.optimizer_step`)."""
+def _warn_if_compile_misses_training_step(module: Optional[LightningModule]) -> None:
+    """Warn when ``model.compile()`` was called on the LightningModule itself.
 
-    def __init__(self, strategy: "CommunicationStrategy", optimizer: Optimizer) -> None:
-        self.strategy, self.optimizer = strategy, optimizer
-
-    def before_update(self, step: StepContext) -> None:
-        self.strategy._clip_local_gradients(self.optimizer, None)
-
-    def after_update(self, step: StepContext) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Any) -> None:
-        return None
+    That compiles only the module's ``__call__`` (its forward); Lightning calls ``training_step``
+    directly, so only what ``training_step`` runs through ``self(...)`` is compiled, and a step that
+    does not is silently eager. ``Trainer.fit(torch.compile(model))`` (Lightning's ``from_compiled``,
+    which sets ``_compiler_ctx``) compiles ``training_step`` itself, and a compiled submodule
+    (``self.net.compile()``) is compiled wherever it is called. Reads torch's private marker of an
+    in-place compile, ``_compiled_call_impl``; without it (another torch) nothing is warned.
+    """
+    if module is None or module._compiler_ctx is not None or getattr(module, "_compiled_call_impl", None) is None:
+        return
+    rank_zero_warn(
+        f"{type(module).__name__}.compile() compiles only the module's forward (its __call__), but Lightning calls "
+        "training_step directly: only what training_step runs through self(...) is compiled, and a training_step that "
+        "calls its layers itself runs eagerly. Pass torch.compile(model) to Trainer.fit instead (Lightning then compiles "
+        "training_step), or compile the submodules training_step calls (e.g. self.net.compile())."
+    )
 
 
 @contextmanager
@@ -711,23 +395,3 @@ def _no_clipping(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _record(state: Any) -> Optional[dict[str, Any]]:
-    """The ``"demo_lightning"`` record of one checkpoint optimizer entry (``None``: none)."""
-    record = state.get(_CHECKPOINT_KEY) if isinstance(state, Mapping) else None
-    return record if isinstance(record, dict) else None
-
-
-def _copy_all(targets: list[Tensor], sources: list[Tensor], what: str) -> None:
-    wrong = [(i, tuple(s.shape), tuple(t.shape)) for i, (t, s) in enumerate(zip(targets, sources)) if t.shape != s.shape]
-    if len(targets) != len(sources) or wrong:
-        detail = (
-            f"{len(sources)} saved, {len(targets)} here" if len(targets) != len(sources)
-            else f"{what[:-1]} {wrong[0][0]} (in the optimizer's order) has shape {wrong[0][1]} in the checkpoint, {wrong[0][2]} here"
-        )
-        raise ValueError(
-            f"the checkpoint's per-worker {what} do not match this model ({detail}): it comes from a different model or "
-            "one with other frozen layers (requires_grad=False); resume with the model and frozen layers that wrote it, "
-            "or load only its weights (without ckpt_path)"
-        )
-    for t, s in zip(targets, sources):
-        t.copy_(s)

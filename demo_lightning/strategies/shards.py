@@ -13,10 +13,11 @@ on W ranks::
                                                        optimizer state dict, parameters, buffers and
                                                        schedule position
 
-A shard is ``{"format": SHARD_FORMAT, "version": 1, "rank": r, "world_size": W, "global_step": g,
-"epoch": e, "optimizers": [entry or None per optimizer position]}``: tensors and primitives only, so
-``torch.load(weights_only=True)`` reads it. ``rank``, ``world_size``, ``global_step`` and ``epoch``
-tie it to the main file: a shard left over from another save (one interrupted before every rank
+A shard is ``{"format": SHARD_FORMAT, "version": 1, "rank": r, "world_size": W, <stamp>,
+"optimizers": [entry or None per optimizer position]}``: tensors and primitives only, so
+``torch.load(weights_only=True)`` reads it. ``rank``, ``world_size`` and the stamp (the Trainer's
+``global_step`` and ``epoch``; under Fabric ``optimizer_step`` and ``save``, the strategy's counts of
+optimizer steps and saves, equal on every rank) tie it to the main file: a shard left over from another save (one interrupted before every rank
 wrote its shard) is refused on load instead of being used.
 
 Writes are atomic on local filesystems: ``rank<r>.pt.tmp`` is written and fsynced, then renamed over
@@ -147,21 +148,28 @@ def _fix(checkpoint_path: str, recorded: Optional[str]) -> str:
     )
 
 
+def _describe(stamp: Mapping[str, Any]) -> str:
+    """``rank 1 of 2 at global step 3, epoch 0``."""
+    rest = ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in stamp.items() if key not in ("rank", "world_size"))
+    return f"rank {stamp['rank']} of {stamp['world_size']} at {rest}"
+
+
 class ShardReader:
     """Reads the shards of one checkpoint, each at most once.
 
     Args:
         checkpoint_path: the main checkpoint file (as passed to ``Strategy.load_checkpoint``).
         record: the main file's ``"demo_lightning"`` record (``layout == "shards"``).
-        checkpoint: the main checkpoint dict (its ``global_step`` and ``epoch`` must match the shard's).
+        stamp: what ties a shard to its main file, the same keys in both: the Trainer's
+            ``{"global_step", "epoch"}``, Fabric's ``{"optimizer_step", "save"}``; a shard whose
+            stamp differs was written by another save.
     """
 
-    def __init__(self, checkpoint_path: _PATH, record: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> None:
+    def __init__(self, checkpoint_path: _PATH, record: Mapping[str, Any], stamp: Mapping[str, Any]) -> None:
         self.checkpoint_path = os.fspath(checkpoint_path)
         self.recorded: Optional[str] = record.get("shards")
         self.world_size = int(record["world_size"])
-        self.global_step = checkpoint.get("global_step")
-        self.epoch = checkpoint.get("epoch")
+        self.stamp = dict(stamp)
         self._cache: dict[int, dict[str, Any]] = {}
 
     def directory(self) -> str:
@@ -216,15 +224,13 @@ class ShardReader:
                 rank, reader_rank, why,
                 f"has shard format version {shard['version']}, newer than this demo_lightning reads ({SHARD_VERSION}): upgrade demo_lightning",
             )
-        want = {"rank": rank, "world_size": self.world_size, "global_step": self.global_step, "epoch": self.epoch}
+        want = {"rank": rank, "world_size": self.world_size, **self.stamp}
         got = {k: shard.get(k) for k in want}
         if got != want:
             raise self._error(
                 rank, reader_rank, why,
-                f"was written by another save (rank {got['rank']} of {got['world_size']} at global step {got['global_step']}, "
-                f"epoch {got['epoch']}; the checkpoint is rank {rank} of {self.world_size} at global step {self.global_step}, "
-                f"epoch {self.epoch}): a save interrupted before every rank wrote its shard, or shards copied from another "
-                "checkpoint",
+                f"was written by another save ({_describe(got)}; the checkpoint is {_describe(want)}): a save interrupted "
+                "before every rank wrote its shard, or shards copied from another checkpoint",
             )
         self._cache[rank] = shard
         return shard

@@ -1,0 +1,250 @@
+"""The strategies' typed options, declared once for both front ends (Trainer and Fabric).
+
+:class:`DeMoOptions` and :class:`DesLocOptions` hold the ``__init__`` (every argument typed and
+validated, so LightningCLI shows and checks them) and the registration under the names ``"demo"``
+and ``"desloc"``; ``DeMoStrategy`` / ``DeMoFabricStrategy`` (and the DES-LOC pair) combine them with
+their front end's base, which implements ``_init_communication``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union, get_args
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+
+from demo_lightning.algorithms import DeMoConfig
+from demo_lightning.algorithms.config import CodecConfig, ExchangeSelection
+from demo_lightning.algorithms.demo import Update
+from demo_lightning.algorithms.desloc import DesLocConfig
+from demo_lightning.algorithms.guard import NonFinitePolicy
+from demo_lightning.codec import Selection, ValueFormat
+from demo_lightning.strategies.runtime import HIERARCHIES, Hierarchy
+from demo_lightning.validation import check_choice, is_number
+
+__all__ = ["DeMoOptions", "DesLocOptions", "Hierarchy", "HIERARCHIES", "StartMethod", "as_timedelta", "check_backend", "check_start_method"]
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+def as_timedelta(timeout: Union[float, int, timedelta], name: str = "timeout") -> timedelta:
+    """Seconds or a ``timedelta`` -> ``timedelta``; rejects non-positive values naming ``name``."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif is_number(timeout):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"{name} must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {seconds}; collectives that exceed it raise on every rank")
+    return timedelta(seconds=seconds)
+
+
+def check_start_method(start_method: Any) -> None:
+    check_choice(
+        "start_method", start_method, get_args(StartMethod),
+        "'popen', the default, re-runs the script for each local process; 'spawn' starts fresh interpreters, for where "
+        "re-running the command line is wrong, e.g. pytest",
+    )
+
+
+def check_backend(backend: Any) -> None:
+    """Reject a process-group backend torch does not know at construction (torch would fail at fit start)."""
+    if backend is None:
+        return
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    # torch also accepts per-device forms such as "cpu:gloo,cuda:nccl"
+    parts = [p.split(":")[-1].strip().lower() for p in backend.split(",")] if isinstance(backend, str) else []
+    if not parts or any(p not in known for p in parts):
+        raise ValueError(
+            f"process_group_backend must be one of {known} (or None to choose from the device: 'gloo' on CPU, 'nccl' on "
+            f"GPU), got {backend!r}"
+        )
+
+
+class _Options:
+    """The options' side of a strategy: its registry name; the front end's base (listed after the
+    options class, see :mod:`demo_lightning.strategies.front`) builds the rest from the configs."""
+
+    strategy_name: str = ""
+    strategy_description: str = ""
+
+    if TYPE_CHECKING:
+
+        def _init_communication(self, demo: Optional[DeMoConfig], desloc: Optional[DesLocConfig], **settings: Any) -> None: ...
+
+
+class DeMoOptions(_Options):
+    """DeMo (arXiv 2411.19870): each worker keeps its own momentum and shares only its strongest
+    DCT components, so each step moves a small fraction of DDP's bytes.
+
+    Args:
+        chunk: DCT tile side (2-D views in ``chunk`` x ``chunk`` tiles, 1-D in ``chunk``-long chunks).
+        topk: coefficients kept per tile; default 64 if neither ``topk`` nor ``keep_ratio`` is given.
+        keep_ratio: fraction of each tile kept, in (0, 1]; give this or ``topk``, not both.
+        decay: momentum decay in [0, 1).
+        selection: ``"topk"`` (each worker's largest magnitudes, positions sent), ``"lowpass"`` (fixed
+            lowest frequencies, no indices) or ``"shared"`` (ScaleCom's cyclic local top-k: one worker
+            per step, in turn, picks the positions and broadcasts them, the values are all-reduced, so
+            the bytes per worker do not grow with the number of workers; needs value_format "fp32",
+            "bf16" or "fp16").
+        value_format: wire format of the kept values: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"sign"``.
+        update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``) or ``"raw"``
+            (the shared direction as the gradient, for any optimizer such as AdamW).
+        dense_below: tensors with fewer elements are all-reduced densely in fp32 (0: compress all).
+        bucket_cap_mb: largest payload per collective in megabytes.
+        param_sync_every: DES-LOC parameter re-sync period in optimizer steps (``None``: off).
+        state_sync_every: DES-LOC periods per optimizer-state key, e.g. ``{"demo_momentum": 64}``
+            averages the DeMo residuals every 64 steps (``None``: off).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when ``None``.
+        timeout: collective timeout in seconds (or a ``timedelta``); a peer that stops answering
+            makes the others raise after this long.
+        start_method: how Lightning starts local processes: ``"popen"``, ``"spawn"``, ``"fork"``, ``"forkserver"``.
+        nonfinite: what every rank does when the loss or a gradient is NaN/inf on any rank (agreed by a
+            1-byte-per-rank all-gather every step): ``"skip"`` the step on every rank (nothing of
+            ours changes; counted in ``guard/skipped_steps``) or ``"raise"`` ``FloatingPointError`` on
+            every rank. Any other value raises ``ValueError``.
+        hierarchy: ``"flat"``: every rank is a DeMo worker (an all-gather over all ranks);
+            ``"node"``: the ranks of a node average their gradients densely over the fast intra-node
+            link, and DeMo runs between nodes only, each local rank exchanging its share of the
+            tensors with the same local rank of the other nodes, so the inter-node link carries each
+            node's payload once (see :class:`~demo_lightning.algorithms.DeMoExchange`). The process
+            groups come from the cluster environment (torchrun, SLURM); one node, or one process
+            per node, warns and runs flat; nodes of different sizes raise ``ValueError``.
+        accelerator: set by the Trainer / Fabric.
+        parallel_devices: set by the Trainer / Fabric.
+        cluster_environment: set by the Trainer / Fabric (torchrun, SLURM, ... are detected).
+        checkpoint_io: set by the Trainer / Fabric.
+        precision_plugin: set by the Trainer / Fabric.
+    """
+
+    strategy_name = "demo"
+    strategy_description = "DeMo compressed momentum exchange instead of DDP's all-reduce"
+
+    def __init__(
+        self,
+        chunk: int = 64,
+        topk: Optional[int] = None,
+        keep_ratio: Optional[float] = None,
+        decay: float = 0.99,
+        selection: ExchangeSelection = "topk",
+        value_format: ValueFormat = "sign",
+        update: Update = "sign",
+        dense_below: int = 4096,
+        bucket_cap_mb: float = 25.0,
+        param_sync_every: Optional[int] = None,
+        state_sync_every: Optional[dict[str, int]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = 1800.0,
+        start_method: StartMethod = "popen",
+        nonfinite: NonFinitePolicy = "skip",
+        hierarchy: Hierarchy = "flat",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        demo = DeMoConfig.of(
+            chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection,
+            value_format=value_format, update=update, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
+        )
+        desloc = DesLocConfig(
+            param_sync_every=param_sync_every,
+            state_sync_every={} if state_sync_every is None else state_sync_every,  # None: no state averaging
+            sync_buffers=True,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self._init_communication(
+            demo, desloc, process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            nonfinite=nonfinite, hierarchy=hierarchy, accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )
+
+
+class DesLocOptions(_Options):
+    """DES-LOC (arXiv 2505.22549): every worker runs its own optimizer; parameters and each optimizer
+    state are averaged across workers on their own periods (Local Adam when all periods are equal).
+
+    Args:
+        param_sync_every: K_x, optimizer steps between parameter (and buffer) averages.
+        state_sync_every: period per optimizer-state key, e.g. ``{"exp_avg": 48, "exp_avg_sq": 96}``;
+            ``None`` applies the paper's ratios (first moments 3 K_x, second moments 6 K_x) to the
+            keys the optimizer keeps; ``{}`` never averages states.
+        sync_buffers: average floating-point module buffers (BatchNorm statistics) with the parameters.
+        compress_params: send each parameter sync's change since the last sync through the DeMo
+            codec (with error feedback) instead of the full parameters.
+        chunk: codec tile side (with ``compress_params``).
+        topk: codec coefficients per tile (with ``compress_params``; default 64).
+        keep_ratio: codec fraction per tile (with ``compress_params``; exclusive with ``topk``).
+        selection: ``"topk"`` (largest changes, positions sent) or ``"lowpass"`` (the lowest
+            frequencies, no positions); with ``keep_ratio=1.0`` and ``value_format="sign"``,
+            ``"lowpass"`` sends every coefficient at about one bit each (with ``compress_params``).
+        value_format: codec value format (with ``compress_params``).
+        bucket_cap_mb: largest payload per collective in megabytes.
+        final_sync: when training ends, average parameters and buffers once more on every rank, so
+            the model saved, validated, tested or exported is the averaged one (each rank's own
+            replica stays in checkpoints' per-rank state, so a resume continues bitwise). The
+            Trainer does it at the end of ``fit``; under Fabric call ``fabric.strategy.final_sync()``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when ``None``.
+        timeout: collective timeout in seconds (or a ``timedelta``).
+        start_method: how Lightning starts local processes.
+        nonfinite: what every rank does when the loss or a gradient is NaN/inf on any rank (agreed by a
+            1-byte-per-rank all-gather every step): ``"skip"`` the step on every rank (nothing of
+            ours changes; counted in ``guard/skipped_steps``) or ``"raise"`` ``FloatingPointError`` on
+            every rank. Any other value raises ``ValueError``.
+        accelerator: set by the Trainer / Fabric.
+        parallel_devices: set by the Trainer / Fabric.
+        cluster_environment: set by the Trainer / Fabric.
+        checkpoint_io: set by the Trainer / Fabric.
+        precision_plugin: set by the Trainer / Fabric.
+    """
+
+    strategy_name = "desloc"
+    strategy_description = "DES-LOC: local steps, parameters and optimizer states averaged on their own periods"
+
+    def __init__(
+        self,
+        param_sync_every: int = 16,
+        state_sync_every: Optional[dict[str, int]] = None,
+        sync_buffers: bool = True,
+        compress_params: bool = False,
+        chunk: int = 64,
+        topk: Optional[int] = None,
+        keep_ratio: Optional[float] = None,
+        selection: Selection = "topk",
+        value_format: ValueFormat = "sign",
+        bucket_cap_mb: float = 25.0,
+        final_sync: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = 1800.0,
+        start_method: StartMethod = "popen",
+        nonfinite: NonFinitePolicy = "skip",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        if param_sync_every is None:  # DesLocConfig allows None (DeMo's optional re-sync); DES-LOC needs a period
+            raise ValueError(
+                "param_sync_every must be an integer period >= 1 for strategy='desloc' (optimizer steps between parameter "
+                "averages), got None"
+            )
+        # the configs validate every setting, naming it
+        codec = CodecConfig(
+            chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, value_format=value_format,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        desloc = DesLocConfig(
+            param_sync_every=param_sync_every, state_sync_every=state_sync_every, sync_buffers=sync_buffers,
+            compress_params=compress_params, codec=codec, bucket_cap_mb=bucket_cap_mb, final_sync=final_sync,
+        )
+        self._init_communication(
+            None, desloc, process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            nonfinite=nonfinite, hierarchy="flat", accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )
