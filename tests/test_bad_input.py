@@ -105,6 +105,16 @@ def _param() -> list[nn.Parameter]:
     return [nn.Parameter(torch.zeros(3))]
 
 
+def _baseline_run(tmp_path: Path) -> Path:
+    """A DDP run's TensorBoard directory with a ``train/loss`` curve (for CommunicationMonitor(baseline=...))."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "ddp" / "version_0")) as writer:
+        for step in range(3):
+            writer.add_scalar("train/loss", 2.0 - 0.1 * step, step)
+    return tmp_path / "ddp" / "version_0"
+
+
 # ---------------------------------------------------------------------------- the table
 RANGE = r"must (lie in|be)"  # the message states the valid values: that is the fix for a value out of range
 
@@ -226,6 +236,18 @@ ROWS = [
     Row(
         "monitor-with-ddp", lambda _: _fit("ddp", callbacks=(CommunicationMonitor(),)),
         ValueError, r"CommunicationMonitor.*DDPStrategy has none", r"use Trainer\(strategy='demo'\) or 'desloc', or remove the callback", fit=True,
+    ),
+    Row("monitor-baseline-type", lambda _: CommunicationMonitor(baseline=3), ValueError, r"\bbaseline\b",
+        r"e\.g\. baseline='lightning_logs/ddp/version_0'"),
+    Row(
+        "monitor-baseline-missing", lambda p: _fit("demo", callbacks=(CommunicationMonitor(baseline=p / "ddp"),)),
+        ValueError, r"baseline='.*ddp' does not exist", r"pass baseline= the TensorBoard run directory of the DDP run", fit=True,
+    ),
+    Row("monitor-loss_tag", lambda _: CommunicationMonitor(loss_tag=""), ValueError, r"\bloss_tag\b", r"e\.g\. 'train/loss'"),
+    Row(
+        "monitor-loss_tag-not-in-baseline",
+        lambda p: _fit("demo", callbacks=(CommunicationMonitor(baseline=_baseline_run(p), loss_tag="train/nll"),)),
+        ValueError, r"no scalar 'train/nll' \(loss_tag='train/nll'\)", r"pass loss_tag= the tag the module logs its training loss under", fit=True,
     ),
     # DecoupledMomentum
     Row("dm-lr", lambda _: DecoupledMomentum(_param(), lr=0.0), ValueError, r"\blr\b", r"\(0, inf\)"),
