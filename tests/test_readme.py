@@ -36,6 +36,9 @@ ELSEWHERE = {  # command prefix -> where it runs
     "bash scripts/test.sh": ".ci/run",
     "torchrun --standalone --nproc-per-node 2 examples/own_module.py": "test_own_module_example_under_torchrun_keeps_replicas_identical",
     "python scripts/tensorboard_picture.py": "test_tensorboard_picture_from_a_config_run",
+    "tensorboard --logdir": "test_server_lists_the_runs_the_dashboard_tags_and_the_baseline",
+    "python examples/fabric_loop.py": "test_the_fabric_example_trains_saves_and_resumes",
+    "python examples/own_module.py --compile": "test_the_readme_compile_command_trains_with_identical_replicas",
 }
 
 
