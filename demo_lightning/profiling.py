@@ -25,8 +25,9 @@ with ``B`` buckets of ``W`` ranks)::
                                      selection="shared" it holds the leader's broadcast, in demo/transport
       demo/transport                 collectives started (B), then per bucket its wait and unpacking
         demo/transport/pack          one bucket onto the wire (B ranges)
-        demo/transport/unpack        one rank's part of a bucket off the wire (B x W; one per bucket
-                                     for an all-reduce)
+        demo/transport/unpack        one run (tensors of one tile shape) of one rank's part of a
+                                     bucket off the wire (B x W x R for R runs a bucket; one per
+                                     bucket for an all-reduce)
       demo/decode                    rank-order sums, error feedback, the dense means, the inverse
         demo/decode/scatter_add      one bucket's contributions added into the mean spectra (B)
         demo/decode/inverse          the inverse DCT of every compressed tensor (one range)
@@ -50,7 +51,7 @@ Cost: with no profiler recording and no sink registered a range costs one check 
 microsecond). Otherwise each range is one ``record_function`` (a few microseconds, only while a
 profiler records) plus one entry per sink; a range never reads a tensor, so it adds no host-device
 synchronisation (:func:`measure_stages` with ``sync`` does, on request). The exchange opens about
-``8 + B (4 + W)`` ranges per step, none per tensor.
+``8 + B (4 + W R)`` ranges per step (``R``: runs a bucket, one per tile shape in it), none per tensor.
 
 Sinks are process-wide: every exchange of the process reports to every registered sink.
 Registration and removal are thread-safe (copy on write); entering a range reads the current tuple
@@ -213,7 +214,7 @@ class _Range:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._close(*exc)  # never swallows the body's exception
+        self._close(*exc)  # returns None: never suppresses the body's exception (a sink's own exit error replaces it)
 
     def _close(self, *exc: Any) -> None:
         entered, self.entered = self.entered, []

@@ -148,3 +148,49 @@ def test_the_fabric_example_trains_saves_and_resumes(tmp_path: Path) -> None:
         assert len({h for _, h, _ in hashes}) == 1 and {n for _, _, n in hashes} == {str(steps)}
     assert "resumed from" in outputs[1] and "at step 6" in outputs[1]
     assert (tmp_path / "loop.ckpt.shards" / "rank1.pt").exists()
+
+
+def test_a_second_fabric_setup_keeps_the_first_optimizer_driven_and_each_averager_gets_its_modules_buffers() -> None:
+    """``fabric.setup`` twice (a GAN's two models) must not drop the first optimizer's exchange, and
+    DES-LOC averages the buffers of the module that owns each optimizer's parameters, once."""
+    import torch
+    from torch import nn
+
+    from demo_lightning import DeMoFabricStrategy, DesLocFabricStrategy
+
+    demo = DeMoFabricStrategy(dense_below=0)
+    g, d = nn.Linear(8, 8), nn.Linear(8, 8)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    demo.setup_module_and_optimizers(g, [opt_g])
+    demo.setup_module_and_optimizers(d, [opt_d])
+    assert demo.runtime.manages(opt_g) and demo.runtime.manages(opt_d) and len(demo.exchanges) == 2
+
+    desloc = DesLocFabricStrategy(param_sync_every=2)
+    first, second = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    desloc.setup_module(first)
+    desloc.setup_module(second)
+    opt_second = desloc.setup_optimizer(torch.optim.SGD(second.parameters(), lr=0.1))
+    opt_first = desloc.setup_optimizer(torch.optim.SGD(first.parameters(), lr=0.1))
+    again = desloc.setup_optimizer(torch.optim.SGD(first[0].parameters(), lr=0.1))  # same module: its buffers once
+    buffers = {name: desloc.runtime.averager_of(opt).buffers for name, opt in (("first", opt_first), ("second", opt_second), ("again", again))}
+    float_buffers = lambda m: [b for b in m.buffers() if b.is_floating_point()]  # noqa: E731
+    assert [id(b) for b in buffers["first"]] == [id(b) for b in float_buffers(first)]
+    assert [id(b) for b in buffers["second"]] == [id(b) for b in float_buffers(second)]
+    assert buffers["again"] == []
+    with pytest.warns(UserWarning, match="belong to no module set up with Fabric"):
+        desloc.setup_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_fabric_gradient_clipping_leaves_a_nan_to_the_guard_instead_of_raising_on_one_rank() -> None:
+    import torch
+    from torch import nn
+
+    from demo_lightning import DeMoFabricStrategy
+
+    strategy = DeMoFabricStrategy()
+    model = nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.weight.grad = torch.full((3, 3), float("nan"))
+    model.bias.grad = torch.ones(3)
+    norm = strategy.clip_gradients_norm(model, optimizer, max_norm=1.0)  # Fabric's default error_if_nonfinite=True
+    assert torch.isnan(norm)

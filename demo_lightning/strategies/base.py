@@ -37,11 +37,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from demo_lightning.algorithms.participants import StepParticipant
 from demo_lightning.comm import human_bytes
 from demo_lightning.profiling import SinkHandle, add_sink, lightning_sink
 from demo_lightning.strategies.front import CommunicationFront
-from demo_lightning.strategies.options import as_timedelta
+from demo_lightning.strategies.options import HIERARCHIES, Hierarchy, StartMethod, as_timedelta  # noqa: F401  (also importable from here)
 from demo_lightning.strategies.runtime import CHECKPOINT_KEY, record_of, strip_record
 from demo_lightning.strategies.shards import SHARDS_LAYOUT, remove_shard, shard_dir
 
@@ -107,6 +106,12 @@ class CommunicationStrategy(CommunicationFront, DDPStrategy):
     strategies); this class connects it to the Trainer's hooks, logging and checkpoints.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "CommunicationStrategy is the base of DeMoStrategy and DesLocStrategy, not a strategy itself: construct one "
+            "of those (their options build the configs)"
+        )
+
     @override
     def _init_parallel(self, **settings: Any) -> None:
         DDPStrategy.__init__(self, **settings)
@@ -124,12 +129,7 @@ class CommunicationStrategy(CommunicationFront, DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            raise ValueError(
-                f"{type(self).__name__} does not support precision='16-mixed' (fp16 with a GradScaler): the scaled and "
-                "possibly non-finite gradients would enter each worker's local state. Use precision='bf16-mixed' or "
-                "'32-true'."
-            )
+        self._refuse_fp16_with_scaler(isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None)
         self.runtime.reset_communicator(self.root_device)
         super().setup(trainer)
         self._report_stages_to(trainer)
@@ -162,10 +162,6 @@ class CommunicationStrategy(CommunicationFront, DDPStrategy):
         for position, optimizer in enumerate(map(_unwrap, self.optimizers)):
             buffers = list(self.model.buffers()) if position == 0 else []
             self.runtime.attach(optimizer, buffers, type(self).__name__, before_update=self._clip_local_gradients)
-
-    def _build_participants(self, optimizer: Optimizer) -> list[StepParticipant]:
-        """``[guard, local clipping, (averager), (exchange)]``: see :meth:`optimizer_step`."""
-        return self.runtime.build_participants(optimizer, self._clip_local_gradients)
 
     @override
     def on_train_end(self) -> None:
@@ -294,7 +290,7 @@ class CommunicationStrategy(CommunicationFront, DDPStrategy):
         """Every rank writes its own shard ``<filepath>.shards/rank<r>.pt``, then rank 0 writes the main file.
 
         Lightning calls this on every rank (``Trainer.save_checkpoint``, then a barrier); it runs no
-        collective. A shard holds this rank's entry (:meth:`_local_state`) for every optimizer whose
+        collective. A shard holds this rank's entry (:meth:`CommunicationRuntime.local_state`) for every optimizer whose
         checkpoint entry carries this strategy's record (none when ``weights_only``: no shard is then
         written), stamped with the rank, world size, global step and epoch of the main file; the main
         file's records name the shard directory (layout: :mod:`demo_lightning.strategies.shards`).

@@ -10,13 +10,15 @@ Trainer's strategies use: no second copy of the logic. What each Fabric call doe
   SLURM), then the runtime agrees the nodes (and builds the hierarchy's groups);
 * ``fabric.setup(model, optimizer)``: no ``DistributedDataParallel`` wrapper (backward never
   all-reduces); rank 0's parameters and buffers are broadcast, and each optimizer gets its DeMo
-  exchange and/or DES-LOC averager. ``fabric.setup_module`` then ``fabric.setup_optimizers`` works
-  too (the module set up last provides the buffers DES-LOC averages);
+  exchange and/or DES-LOC averager (which averages the buffers of the module owning its
+  parameters). ``fabric.setup_module`` then ``fabric.setup_optimizers`` works too, and so does a
+  second ``fabric.setup`` for another model: the optimizers set up before stay driven;
 * ``optimizer.step()``: the guard, the exchange (which writes the shared update into ``p.grad``),
   the optimizer's own step, DES-LOC's averaging; the traffic goes to ``fabric.strategy.ledger``, and
   ``fabric.log_dict(fabric.strategy.metrics())`` logs it as the Trainer's strategies do;
 * ``fabric.clip_gradients(...)`` before ``optimizer.step()`` clips this worker's own gradient, before
-  it enters the momentum (the shared update is never clipped);
+  it enters the momentum (the shared update is never clipped); a NaN/inf norm does not raise on the
+  one rank (``error_if_nonfinite`` is not used): the guard then skips or raises on every rank;
 * ``fabric.no_backward_sync(model, enabled=...)`` (gradient accumulation): backward never
   synchronises here, so it is a no-op; the exchange runs once per ``optimizer.step()``;
 * ``fabric.save(path, state)``: rank 0 writes ``path`` (the model, rank 0's optimizer state, the rest
@@ -25,7 +27,8 @@ Trainer's strategies use: no second copy of the logic. What each Fabric call doe
   rank reads ``path`` and its own shard, and continues bitwise. A shard missing or from another save
   raises :class:`~demo_lightning.strategies.shards.CheckpointShardError` on every rank;
 * the end of training under DES-LOC: ``fabric.strategy.final_sync()`` averages the replicas once
-  more (the Trainer does this at the end of ``fit``).
+  more (the Trainer does this at the end of ``fit``). Fabric calls no teardown: the process group
+  this strategy created (and the hierarchy's groups in it) is destroyed at interpreter exit.
 
 Refused with ``ValueError``: ``precision="16-mixed"`` (fp16 with a GradScaler), LBFGS and sharded
 optimizers.
@@ -42,6 +45,7 @@ from lightning.fabric.plugins import Precision
 from lightning.fabric.plugins.precision.amp import MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
 from torch import Tensor
 from torch.nn import Module
@@ -71,9 +75,15 @@ class FabricCommunicationStrategy(CommunicationFront, DDPStrategy):
     def _init_parallel(self, *, precision_plugin: Optional[Precision] = None, **settings: Any) -> None:
         DDPStrategy.__init__(self, precision=precision_plugin, **settings)
         self._backward_sync_control = _NoBackwardSync()
-        self._buffers: list[Tensor] = []
-        self._attached = 0  # optimizers attached so far; only the first one's averager averages the buffers
+        self._modules: list[Module] = []  # every module set up so far, for the buffers DES-LOC averages
+        self._buffers_owned: set[int] = set()  # modules whose buffers an averager already averages
         self._saves = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "FabricCommunicationStrategy is the base of DeMoFabricStrategy and DesLocFabricStrategy, not a strategy "
+            "itself: construct one of those, or pass Fabric(strategy='demo') / 'desloc'"
+        )
 
     def final_sync(self) -> None:
         """DES-LOC's last average of parameters and buffers on every rank (with ``final_sync=True``):
@@ -84,12 +94,7 @@ class FabricCommunicationStrategy(CommunicationFront, DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
-            raise ValueError(
-                f"{type(self).__name__} does not support precision='16-mixed' (fp16 with a GradScaler): the scaled and "
-                "possibly non-finite gradients would enter each worker's local state. Use precision='bf16-mixed' or "
-                "'32-true'."
-            )
+        self._refuse_fp16_with_scaler(isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None)
         super().setup_environment()
 
     @override
@@ -104,25 +109,66 @@ class FabricCommunicationStrategy(CommunicationFront, DDPStrategy):
         """No ``DistributedDataParallel`` wrapper: rank 0's parameters and buffers are broadcast, so the
         replicas start identical; the module is returned as it is."""
         self.communicator.broadcast_tensors_([*module.parameters(), *module.buffers()], "setup/broadcast_module")
-        self._buffers = list(module.buffers())
+        if all(m is not module for m in self._modules):
+            self._modules.append(module)
         return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Attach the exchange and/or the averager to ``optimizer`` (the first optimizer's averager also
-        averages the buffers of the module set up last)."""
-        self.runtime.attach(optimizer, self._buffers if self._attached == 0 else [], type(self).__name__)
-        self._attached += 1
+        """Attach the exchange and/or the averager to ``optimizer`` (again, if it was attached before).
+
+        DES-LOC averages the floating-point buffers (``sync_buffers``) of the set-up module that owns
+        the optimizer's parameters, through the first optimizer attached for that module (a second
+        optimizer of the same module does not average them again). An optimizer whose parameters
+        belong to no set-up module gets no buffers (warned under DES-LOC with ``sync_buffers``): set
+        the module up first (``fabric.setup(model, optimizer)`` does).
+        """
+        self.runtime.attach(optimizer, self._buffers_for(optimizer), type(self).__name__)
         return optimizer
+
+    def _buffers_for(self, optimizer: Optimizer) -> list[Tensor]:
+        config = self.runtime.desloc_config
+        if config is None or not config.sync_buffers:
+            return []
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owner = next((m for m in reversed(self._modules) if any(id(p) in params for p in m.parameters())), None)
+        if owner is None:
+            if params:
+                rank_zero_warn(
+                    f"{type(self).__name__}: the optimizer's parameters belong to no module set up with Fabric, so DES-LOC "
+                    "averages no module buffers for it (BatchNorm statistics stay per rank): call fabric.setup(model, "
+                    "optimizer), or fabric.setup_module(model) before fabric.setup_optimizers(optimizer)"
+                )
+            return []
+        if id(owner) in self._buffers_owned:
+            return []
+        self._buffers_owned.add(id(owner))
+        return list(owner.buffers())
 
     @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[Module, list[Optimizer], Optional[Any]]:
-        self.runtime.detach()
-        self._attached = 0
+        """:meth:`setup_module`, then :meth:`setup_optimizer` for each optimizer. A second
+        ``fabric.setup`` (another model, e.g. a GAN's discriminator) adds to what is driven: the
+        optimizers set up before keep their exchanges."""
         module = self.setup_module(module)
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """``fabric.clip_gradients(max_norm=...)`` on this worker's own gradient, never raising on a
+        NaN/inf norm: that would stop this rank alone while the others wait in the next step's guard.
+        The guard decides instead, on every rank together (``nonfinite="skip"`` or ``"raise"``), so
+        ``error_if_nonfinite`` is not used."""
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type=norm_type, error_if_nonfinite=False)
 
     @override
     def teardown(self) -> None:
@@ -153,7 +199,7 @@ class FabricCommunicationStrategy(CommunicationFront, DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:  # type: ignore[override]
         """The optimizer's state dict plus, for one these strategies drive, the layout record under
         ``"demo_lightning"`` (its state per rank is in the shards)."""
         state = super().get_optimizer_state(optimizer)

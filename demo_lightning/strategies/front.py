@@ -66,6 +66,24 @@ class CommunicationFront:
     def _init_parallel(self, **settings: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _init_parallel (its DDP base's __init__)")
 
+    def _refuse_fp16_with_scaler(self, has_scaler: bool) -> None:
+        """``precision="16-mixed"`` (fp16 with a GradScaler) is refused by both front ends."""
+        if has_scaler:
+            raise ValueError(
+                f"{type(self).__name__} does not support precision='16-mixed' (fp16 with a GradScaler): the scaled and "
+                "possibly non-finite gradients would enter each worker's local state. Use precision='bf16-mixed' or "
+                "'32-true'."
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for attributes that do not exist: a base built without the options' __init__
+        if name == "runtime":
+            raise AttributeError(
+                f"{type(self).__name__} has no runtime: it is the base of the strategies, not one itself; construct "
+                "DeMoStrategy / DesLocStrategy (Trainer) or DeMoFabricStrategy / DesLocFabricStrategy (Fabric)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ------------------------------------------------------------------ the runtime's state
     @property
     def demo_config(self) -> Optional[DeMoConfig]:
