@@ -469,3 +469,35 @@ def test_monitor_tensorboard_events_have_the_expected_tags_and_values(contract: 
         assert 0 < last("comm/modeled_seconds_per_step/1Gbps") < last("comm/ddp_modeled_seconds_per_step/1Gbps")
     else:
         assert last("comm/cumulative_sent_bytes") == 0  # one worker sends nothing
+
+
+def test_the_default_keep_ratio_schedule_sends_more_later_in_training(isolated_process_group: None) -> None:
+    """DeMo-adv's "sync more later" (seed 000 §4): AdaptiveKeepRatio() with no arguments raises each
+    tensor's k over the run, from 1/128 of a tile at the first step to 1/32 at the last (a cosine ramp),
+    never down; the exchange's bytes follow."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from demo_lightning import DeMoStrategy
+
+    class _Bytes(pl.Callback):
+        def __init__(self) -> None:
+            self.sent: list[float] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.sent.append(trainer.strategy.last_traffic.payload_bytes)  # one process: the payload (nothing is sent)
+
+    adaptive = AdaptiveKeepRatio()
+    recorder, sent = _KRecorder(adaptive), _Bytes()
+    steps = 12
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=DeMoStrategy(chunk=32, dense_below=0), max_steps=steps,
+        callbacks=[adaptive, recorder, sent], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )
+    data = DataLoader(TensorDataset(torch.randn(96, 32, generator=torch.Generator().manual_seed(2))), batch_size=8)
+    trainer.fit(_Kinds(), data)
+    tile = 32 * 32
+    ks = [record["k"]["extra.weight"] for record in recorder.steps]
+    assert ks[0] == _ceil(tile / 128) and ks[-1] >= _ceil(0.95 * tile / 32)
+    assert all(a <= b for a, b in zip(ks, ks[1:])) and ks[-1] > ks[0]
+    assert all(a <= b for a, b in zip(sent.sent, sent.sent[1:])) and sent.sent[-1] > sent.sent[0]

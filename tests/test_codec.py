@@ -395,3 +395,79 @@ def test_identical_inputs_give_one_workers_mean_bitwise_only_for_w_1_2_4(world_s
     else:
         assert not torch.equal(mean, single)
         torch.testing.assert_close(mean, single, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- fp8 and mixed
+FP8 = {"fp8_e4m3": (448.0, 3, -6), "fp8_e5m2": (57344.0, 2, -14)}  # largest finite, mantissa bits, min normal exponent
+
+
+@pytest.mark.parametrize("value_format", sorted(FP8))
+def test_fp8_rounds_to_its_grid_within_half_a_spacing_and_saturates_at_the_tile_peak(value_format: str) -> None:
+    """Oracle: the float8 grid written out from its definition (mantissa bits, exponent range), not torch's cast."""
+    top, mantissa, min_exp = FP8[value_format]
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(64, 48, generator=gen, dtype=torch.float64) * torch.logspace(-6, 2, 48, dtype=torch.float64)
+    decoded = quantize_values(values.float(), value_format).double()
+    scale = values.float().abs().amax(dim=1, keepdim=True).double() / top
+    x = values / scale  # in code units: |x| <= top
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** min_exp))).clamp_min(min_exp)
+    spacing = 2.0 ** (exponent - mantissa)  # normal numbers; below 2**min_exp the subnormal spacing 2**(min_exp - mantissa)
+    assert bool(((decoded / scale - x).abs() <= spacing / 2 + 1e-9).all())
+    peak = values.abs().argmax(dim=1, keepdim=True)
+    torch.testing.assert_close(decoded.gather(1, peak).abs(), (scale * top), rtol=1e-6, atol=0)
+    assert bool(torch.isfinite(decoded).all())
+
+
+@pytest.mark.parametrize("value_format", sorted(FP8))
+def test_fp8_takes_a_byte_a_value_and_a_scale_a_tile(value_format: str) -> None:
+    assert segment_nbytes(10, 32, 4096, value_format, False) == 10 * (4 + 32)
+    assert segment_nbytes(10, 32, 4096, value_format, True) == 10 * (4 + 32) + math.ceil(10 * 32 * 12 / 8)
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5, 0.99])
+def test_mixed_sends_the_first_share_in_fp16_and_the_rest_in_int8_with_their_own_scale(share: float) -> None:
+    from demo_lightning.codec import head_count
+
+    gen = torch.Generator().manual_seed(4)
+    values = torch.randn(9, 20, generator=gen) * 5
+    h = head_count(20, share)
+    assert h == math.ceil(share * 20)
+    decoded = quantize_values(values, "mixed", head_share=share)
+    assert torch.equal(decoded[:, :h], values[:, :h].half().float())  # fp16, round to nearest even
+    tail = values[:, h:]
+    if h < 20:  # share 0.99: every value in the head, an empty tail (its scale still sent)
+        step = tail.abs().amax(dim=1, keepdim=True) / 127  # the tail's own scale, not the head's
+        assert bool(((decoded[:, h:] - tail).abs() <= step / 2 + 1e-6).all())
+    assert segment_nbytes(9, 20, 4096, "mixed", False, share) == 9 * (2 * h + 4 + (20 - h))
+    buf, sent = pack_segment(None, values, 4096, "mixed", share)
+    assert torch.equal(unpack_segment(buf, 9, 20, 4096, "mixed", False, share)[1], sent) and torch.equal(sent, decoded)
+
+
+def test_mixed_head_count_and_share_are_checked() -> None:
+    from demo_lightning.codec import head_count
+
+    assert [head_count(k) for k in (1, 2, 4, 5, 64)] == [1, 1, 1, 2, 16]
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="head_share must lie in"):
+            head_count(8, bad)
+
+
+def test_the_exchange_selection_hands_mixed_its_strongest_coefficients_first() -> None:
+    """The fp16 head of "mixed" must be each tile's strongest picks: the selection orders them for it."""
+    from demo_lightning.algorithms import CodecConfig
+    from demo_lightning.algorithms.stages.plan import build_plan
+    from demo_lightning.algorithms.stages.encode import Workspace, select, transform_into
+
+    config = CodecConfig(topk=12, chunk=16, value_format="mixed", dense_below=0)
+    assert config.strongest_first and not CodecConfig(topk=12).strongest_first
+    x = torch.randn(48, 40, generator=torch.Generator().manual_seed(5))
+    plan = build_plan(config, [x])
+    workspace = Workspace(plan)
+    spectra = {key: torch.empty(f.numel, dtype=f.dtype) for key, f in plan.families.items()}
+    transform_into(plan, [x], spectra, workspace)
+    for key, family in plan.families.items():
+        picked = select(family, spectra[key], "topk", workspace.family(family), config.strongest_first)
+        magnitudes = picked.values.abs()
+        assert bool((magnitudes[:, :-1] >= magnitudes[:, 1:]).all())
+        unordered = select(family, spectra[key], "topk", workspace.family(family))
+        assert torch.equal(picked.values.abs().sort(dim=1).values, unordered.values.abs().sort(dim=1).values)

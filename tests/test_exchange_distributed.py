@@ -70,6 +70,9 @@ CONFIGS = {
     "lowpass-fp32": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "fp32"},
     "lowpass-int8": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "int8"},
     "shared-bf16": {"topk": 8, "dense_below": 100, "selection": "shared", "value_format": "bf16"},
+    "topk-fp8": {"topk": 8, "dense_below": 100, "value_format": "fp8_e4m3"},
+    "topk-mixed": {"topk": 8, "dense_below": 100, "value_format": "mixed"},
+    "lowpass-fp8": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "fp8_e5m2"},
 }
 
 
@@ -133,14 +136,20 @@ def _count_collective_bytes(rank: int, world: int, steps: int, config: dict) -> 
         dist.all_gather, dist.all_reduce = real_gather, real_reduce
 
 
-def test_ledger_equals_bytes_handed_to_collectives_and_the_formula(tmp_path: Path) -> None:
-    config = {"topk": 32, "dense_below": 100, "value_format": "bf16"}
+# bytes per tile of the 32 values, by hand: bf16 2 each; fp8 1 each + a 4-byte scale; mixed (a quarter,
+# 8 values, in fp16) 2 x 8 + a 4-byte scale + 24 int8 codes
+VALUE_BYTES_PER_TILE = {"bf16": 32 * 2, "fp8_e4m3": 4 + 32, "mixed": 2 * 8 + 4 + 24}
+
+
+@pytest.mark.parametrize("value_format", sorted(VALUE_BYTES_PER_TILE))
+def test_ledger_equals_bytes_handed_to_collectives_and_the_formula(tmp_path: Path, value_format: str) -> None:
+    config = {"topk": 32, "dense_below": 100, "value_format": value_format}
     ranks = run_workers(_count_collective_bytes, 2, tmp_path, 3, config)
-    # closed form: 2-D tensors in 64x64 tiles, k=32, 12-bit positions + bf16 values; bias: fp32 all-reduce
+    # closed form: 2-D tensors in 64x64 tiles, k=32, 12-bit positions + the values; bias: fp32 all-reduce
     n_2d = 128 * 192 + 64 * 64
-    topk_payload = n_2d // 4096 * (math.ceil(32 * 12 / 8) + 32 * 2)
+    topk_payload = n_2d // 4096 * (math.ceil(32 * 12 / 8) + VALUE_BYTES_PER_TILE[value_format])
     dense_payload = 50 * 4
-    assert topk_payload == segment_nbytes(n_2d // 4096, 32, 4096, "bf16", True)
+    assert topk_payload == segment_nbytes(n_2d // 4096, 32, 4096, value_format, True)
     for r in ranks:
         assert r["ledger_payload"] == r["handed"]  # every byte handed to a collective is in the ledger
         last = r["last"]
@@ -237,3 +246,31 @@ def test_ddp_baseline_counts_each_gradient_in_its_own_dtype(tmp_path: Path) -> N
     for r in run_workers(_ddp_bytes_by_dtype, 2, tmp_path):
         assert r["torch.float32"] == 2 * (2 - 1) / 2 * 4 * n
         assert r["torch.bfloat16"] == r["torch.float16"] == 2 * (2 - 1) / 2 * 2 * n
+
+
+def _codec_differs(rank: int, world: int, setting: str) -> str:
+    """Rank 1 was given another global codec setting (a value format or transform of the same size on
+    some tensors): without the check the collectives could even match in size while the receivers
+    decode the bytes wrongly."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # the same bytes on both ranks: fp8 e4m3 against e5m2, or the DCT against Haar wavelets
+    differs = {"fp8": ("value_format", ("fp8_e4m3", "fp8_e5m2")), "transform": ("transform", ("dct", "haar"))}
+    name, values = differs[setting]
+    options = {"topk": 8, "dense_below": 100, name: values[rank]}
+    exchange = DeMoExchange(opt, DeMoConfig.of(**options), Communicator())
+    try:
+        opt.zero_grad()
+        model(torch.randn(8, 64), branch=False).backward()
+        exchange.step()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("setting", ["fp8", "transform"])
+def test_a_codec_setting_that_differs_between_ranks_raises_on_every_rank_before_any_data_moves(tmp_path: Path, setting: str) -> None:
+    ranks = run_workers(_codec_differs, 2, tmp_path, setting, timeout=120, collective_timeout=30)
+    for message in ranks:
+        assert "differs between rank 0 and rank(s) [1]" in message and "the codec's settings" in message, message

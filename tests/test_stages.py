@@ -108,7 +108,10 @@ def test_select_keeps_the_k_largest_or_lowest_coefficients_of_every_tile(selecti
     CodecConfig(chunk=32, topk=5, value_format="sign", dense_below=0),
     CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="bf16", dense_below=0),
     CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="int8", dense_below=0),
-], ids=["topk-fp32", "topk-sign", "lowpass-allreduce", "lowpass-int8-gather"])
+    CodecConfig(chunk=32, topk=5, value_format="fp8_e4m3", dense_below=0),
+    CodecConfig(chunk=32, topk=6, value_format="mixed", fp16_share=0.5, dense_below=0),
+    CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="mixed", dense_below=0),
+], ids=["topk-fp32", "topk-sign", "lowpass-allreduce", "lowpass-int8-gather", "topk-fp8", "topk-mixed", "lowpass-mixed"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_transports_share_one_protocol_and_decode_gives_the_mean_of_what_was_sent(config: CodecConfig, world_size: int) -> None:
     x = [torch.randn(64, 96, generator=torch.Generator().manual_seed(4)), torch.randn(40, 72, generator=torch.Generator().manual_seed(5))]
@@ -119,7 +122,7 @@ def test_transports_share_one_protocol_and_decode_gives_the_mean_of_what_was_sen
     workspace = Workspace(plan)
     storage = {key: torch.empty(f.numel) for key, f in plan.families.items()}
     transform_into(plan, x, storage, workspace)
-    chosen = {key: select(f, storage[key], config.selection, workspace.family(f)) for key, f in plan.families.items()}
+    chosen = {key: select(f, storage[key], config.selection, workspace.family(f), config.strongest_first) for key, f in plan.families.items()}
     pending = [transport.start([Outgoing(run, chosen[run.family.key].positions[run.rows], chosen[run.family.key].values[run.rows])
                                 for run in bucket], "t") for bucket in plan.buckets]
     assert comm.ledger.total_payload_bytes == sum(config.payload_bytes(tuple(t.shape)) for t in x)
@@ -194,7 +197,7 @@ def test_the_exchange_and_the_guard_are_participants_of_a_plain_loop() -> None:
     assert guard.state_dict() == {"skipped_steps": 1}
 
 
-@pytest.mark.parametrize("value_format", ["sign", "fp32", "int8"])
+@pytest.mark.parametrize("value_format", ["sign", "fp32", "int8", "fp8_e5m2", "mixed"])
 def test_an_exchange_step_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch, value_format: str) -> None:
     """No ``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)`` or ``.numpy()`` in the step
     (each would synchronise with a GPU), unless energy is requested."""

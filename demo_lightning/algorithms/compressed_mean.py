@@ -10,7 +10,8 @@ input ``x`` on each worker::
     sent    = IDCT(scatter(I, V^))[:R, :C]        # what this worker contributed (for error feedback)
     mean    = IDCT(sum_{r=0..W-1} scatter(I_r, V^_r) / W)[:R, :C]
 
-Tensors with fewer than ``dense_below`` elements skip the codec: ``mean`` is an fp32 all-reduce of
+``DCT`` is the codec's ``transform`` (``"dct"``, ``"haar"`` or ``"identity"``: see
+:mod:`~demo_lightning.codec.bases`). Tensors with fewer than ``dense_below`` elements skip the codec: ``mean`` is an fp32 all-reduce of
 ``x`` divided by W and ``sent`` is ``x`` itself. The DeMo exchange
 (:class:`~demo_lightning.algorithms.DeMoExchange`) runs the same stages on its momentum, which it
 keeps in coefficient space instead.
@@ -107,7 +108,8 @@ class CompressedMean:
             with stage_range(CODEC.transform):
                 transform_into(plan, inputs, spectra, workspace)
             with stage_range(CODEC.select):
-                selected = {key: select(f, spectra[key], self.config.selection, workspace.family(f)) for key, f in plan.families.items()}
+                selected = {key: select(f, spectra[key], self.config.selection, workspace.family(f), self.config.strongest_first)
+                            for key, f in plan.families.items()}
         with stage_range(CODEC.transport):
             pending = [
                 self.transport.start([Outgoing(run, *(getattr(selected[run.family.key], a)[run.rows] for a in ("positions", "values")))

@@ -11,7 +11,8 @@ from typing import Literal, Optional, get_args
 import torch
 
 from demo_lightning.codec import VALUE_FORMATS, TileLayout, ValueFormat, coefficients_per_tile, plan_tiles
-from demo_lightning.codec import positions_nbytes, segment_nbytes, validate_strength
+from demo_lightning.codec import DEFAULT_HEAD_SHARE, positions_nbytes, segment_nbytes, validate_strength
+from demo_lightning.codec.bases import TRANSFORMS, Transform
 from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
 
 __all__ = ["DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection", "TensorCodec", "compute_dtype"]
@@ -45,9 +46,23 @@ class CodecConfig:
             broadcasts them bit-packed; every worker sends its values at those positions, summed by
             an all-reduce, so the bytes per worker do not grow with ``W``. Needs a float
             ``value_format`` (values are summed on the wire); error feedback as usual.
-        value_format: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"sign"``.
+        value_format: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` (one byte a value
+            with a per-tile fp32 scale), ``"int8"``, ``"mixed"`` (per tile the strongest ``fp16_share``
+            of the kept values in fp16, the rest in int8) or ``"sign"``; see
+            :mod:`demo_lightning.codec.packing` for each format's bytes and rounding.
+        fp16_share: with ``value_format="mixed"``, the share of each tile's kept values sent in fp16
+            (``ceil(fp16_share * k)``, at least one), in (0, 1); default a quarter.
         dense_below: tensors with fewer elements are all-reduced densely in fp32 (0 disables).
         bucket_cap_mb: largest payload of one collective, in megabytes.
+        transform: the orthonormal transform of every tile, before the same selection and error
+            feedback (:mod:`demo_lightning.codec.bases`): ``"dct"`` (DCT-II, the paper's), ``"haar"``
+            (Haar wavelets, rows coarse to fine: for a tile side ``n = 2^L`` the ``L``-level Haar matrix
+            ``h_0 = 1/sqrt(n)``, ``h_{2^p+q}(t) = sqrt(2^p/n) (+1 | -1)`` on the two halves of the
+            ``q``-th of ``2^p`` segments; other sides, e.g. a dimension below ``chunk``, get the
+            unbalanced Haar basis of the same halving recursion, also orthonormal) or ``"identity"``
+            (no transform, SparseLoCo's chunked top-k: the momentum is stored and selected as it is; no
+            GEMM). ``"lowpass"`` keeps the coarsest Haar scales first; under ``"identity"`` it has no
+            meaning and is refused unless every coefficient is kept.
     """
 
     chunk: int = 64
@@ -57,18 +72,29 @@ class CodecConfig:
     value_format: ValueFormat = "sign"
     dense_below: int = 4096
     bucket_cap_mb: float = 25.0
+    fp16_share: float = DEFAULT_HEAD_SHARE
+    transform: Transform = "dct"
 
     def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, "tile side; the paper uses 64")
         validate_strength(self.topk, self.keep_ratio)
         check_choice("selection", self.selection, EXCHANGE_SELECTIONS)
         check_choice("value_format", self.value_format, VALUE_FORMATS)
+        check_choice("transform", self.transform, TRANSFORMS, "the tile transform: DCT-II, Haar wavelets, or none")
+        if self.transform == "identity" and self.selection == "lowpass" and not self.keeps_everything:
+            raise ValueError(
+                "transform='identity' has no frequencies, so selection='lowpass' would send the same first k elements "
+                "of every tile forever and never the rest: use selection='topk' (chunked top-k, as SparseLoCo) or "
+                "'shared', or keep every coefficient (keep_ratio=1.0)"
+            )
         if self.selection == "shared" and self.value_format not in WIRE_DTYPES:
             raise ValueError(
                 f"selection='shared' sums the values of every worker on the wire (an all-reduce), which "
                 f"value_format={self.value_format!r} cannot be: use value_format='fp32', 'bf16' or 'fp16', or "
                 "selection='topk' for 1-bit or int8 values"
             )
+        check_number("fp16_share", self.fp16_share, 0.0, 1.0, low_open=True, high_open=True,
+                     hint="the share of each tile's kept values sent in fp16 under value_format='mixed'; e.g. 0.25")
         check_int("dense_below", self.dense_below, 0, "element count")
         check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per collective")
 
@@ -78,6 +104,12 @@ class CodecConfig:
         if self.topk is None and self.keep_ratio is None:
             return DEFAULT_TOPK, None
         return self.topk, self.keep_ratio
+
+    @property
+    def keeps_everything(self) -> bool:
+        """Every coefficient of every tile is kept (``keep_ratio=1.0``, or a ``topk`` of at least ``chunk^2``)."""
+        topk, keep_ratio = self.strength
+        return keep_ratio == 1.0 or (topk is not None and topk >= self.chunk * self.chunk)
 
     @property
     def sends_positions(self) -> bool:
@@ -100,6 +132,12 @@ class CodecConfig:
         layout = plan_tiles(shape, own.chunk if own.chunk is not None else self.chunk)
         return layout, coefficients_per_tile(layout.tile_numel, topk, keep_ratio)
 
+    @property
+    def strongest_first(self) -> bool:
+        """Whether the selection orders each tile's values by magnitude, largest first (``"mixed"``
+        sends the first ``fp16_share`` of them in fp16)."""
+        return self.value_format == "mixed"
+
     def payload_bytes(self, shape: tuple[int, ...], own: Optional["TensorCodec"] = None) -> int:
         """Bytes one worker hands to the collectives for a tensor of ``shape`` (fp32 when dense);
         for ``"shared"``: its values plus the bit-packed positions of the broadcast."""
@@ -110,7 +148,7 @@ class CodecConfig:
             return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize + positions_nbytes(layout.n_tiles, k, layout.tile_numel)
         if self.all_reduces:
             return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize
-        return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.value_format, self.sends_positions)
+        return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.value_format, self.sends_positions, self.fp16_share)
 
 
 @dataclass(frozen=True)

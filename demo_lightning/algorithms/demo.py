@@ -15,6 +15,12 @@ and orthonormal, so this is the paper's algorithm with two transforms per step i
     p.grad <- sign(Q)   (update="sign", the paper's rule, for plain SGD)
     p.grad <- Q         (update="raw", the shared direction for any optimizer)
 
+``DCT`` above is the codec's ``transform`` (:class:`~demo_lightning.algorithms.CodecConfig`,
+:mod:`~demo_lightning.codec.bases`): the DCT-II by default, ``"haar"`` (Haar wavelets, the same
+GEMMs with another orthonormal matrix) or ``"identity"`` (no transform: the momentum is kept, selected
+and error-fed as it is, SparseLoCo's chunked top-k; no GEMM runs). Every step above is the same for
+all three.
+
 Tensors with fewer than ``dense_below`` elements skip the codec: their whole momentum is summed
 by an all-reduce in the compute dtype (fp32 for half-precision parameters), divided by W, and
 their residual is cleared (everything was sent).
@@ -443,13 +449,14 @@ class DeMoExchange:
 
     # ------------------------------------------------------------------ plan agreement
     def plan_digest(self) -> int:
-        """A 64-bit digest of what decides this rank's collectives: the trainable tensors (order,
-        shapes, dtypes) and their codec settings. Local (no communication); recomputed only when
-        they change. Equal on every rank is what :meth:`check_plan` checks."""
+        """A 64-bit digest of what decides this rank's collectives and what receivers decode: the codec's
+        settings (chunk, k, selection, value format, transform, ...), the trainable tensors (order,
+        shapes, dtypes) and their per-tensor codec settings. Local (no communication); recomputed only
+        when they change. Equal on every rank is what :meth:`check_plan` checks."""
         params = self.parameters()
         key = tuple((tuple(p.shape), p.dtype, self._settings[p].codec if p in self._settings else None) for p in params)
         if key != self._digest_key:
-            text = repr([(shape, str(dtype), repr(codec)) for shape, dtype, codec in key]).encode()
+            text = repr([repr(self.config.codec)] + [(shape, str(dtype), repr(codec)) for shape, dtype, codec in key]).encode()
             self._digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
             self._digest_key = key
         return self._digest
@@ -464,8 +471,9 @@ class DeMoExchange:
         """
         self.comm.check_same(
             [len(self.parameters()), self.plan_digest()], "demo/plan",
-            "the list of tensors to exchange (count, shapes, dtypes) or their per-tensor codec settings (topk, "
-            "keep_ratio, chunk, dense: set the same TensorSettings on every rank at the same step)",
+            "the codec's settings (give every rank the same strategy arguments: chunk, topk / keep_ratio, selection, "
+            "value_format, transform, ...), the list of tensors to exchange (count, shapes, dtypes) or their per-tensor "
+            "codec settings (topk, keep_ratio, chunk, dense: set the same TensorSettings on every rank at the same step)",
         )
 
     def _prepare(self, params: list[Tensor]) -> tuple[ExchangePlan, Workspace]:
@@ -598,7 +606,7 @@ class DeMoExchange:
                     selected = self._shared_selection(plan, workspace)
                 for key, family in plan.families.items():
                     if codec.selection != "shared":
-                        selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family))
+                        selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family), codec.strongest_first)
                     elif want_curve:
                         write_magnitudes(family, momentum.storage[key], workspace.family(family))
                     if want_curve and energy is not None:

@@ -1,10 +1,16 @@
-"""The DeMo exchange's own state: each worker's momentum, kept as DCT coefficients.
+"""The DeMo exchange's own state: each worker's momentum, kept as transform coefficients.
 
 For a tensor the codec compresses, the momentum is stored as its spectrum ``M`` (the ``Rp x Cp``
 coefficient matrix of :mod:`~demo_lightning.codec.transform`, in its family's flat buffer), so
 that a step needs one forward transform (of the gradient) and one inverse (of the mean)::
 
-    M <- decay * M + DCT(pad(g));   select from M;   M <- M - sent   (error feedback, no transform)
+    M <- decay * M + T(pad(g));   select from M;   M <- M - sent   (error feedback, no transform)
+
+``T`` is the codec's ``transform`` (DCT-II by default, Haar wavelets, or ``"identity"``: then ``M``
+is the padded momentum itself). Every saved momentum records the transform it is in (a checkpoint
+without the record is DCT, as every one was before the choice existed); one loaded under another
+transform is converted at the next step like a re-tiling, ``M' = T'(T^-1(M))``, exactly up to rounding
+(both are orthonormal and the padding is kept).
 
 For a tensor sent densely it is stored as the tensor itself (``m <- decay * m + g``, cleared when
 sent). Nothing outside this module reads the buffers: :meth:`SpectralMomentum.dense` gives a
@@ -38,7 +44,7 @@ from torch import Tensor
 
 from demo_lightning.algorithms.config import compute_dtype
 from demo_lightning.algorithms.stages.plan import ExchangePlan, TensorPlan
-from demo_lightning.codec import TileLayout
+from demo_lightning.codec import TRANSFORMS, TileLayout
 from demo_lightning.codec.transform import accumulate_spectrum, inverse_spectrum
 
 __all__ = ["MOMENTUM_STATE_VERSION", "SpectralMomentum"]
@@ -51,10 +57,12 @@ MOMENTUM_STATE_VERSION = 2
 
 @dataclass
 class _Loose:
-    """A momentum outside the current storage: ``layout`` ``None`` means parameter-shaped."""
+    """A momentum outside the current storage: ``layout`` ``None`` means parameter-shaped; a
+    spectrum is in ``transform``'s coefficients."""
 
     value: Tensor
     layout: Optional[TileLayout]
+    transform: str = "dct"
 
 
 def _layout_fields(layout: Optional[TileLayout]) -> Optional[list[int]]:
@@ -103,20 +111,29 @@ class SpectralMomentum:
         assert self.plan is not None
         item = self.plan.tensors[self._index[p]]
         value = self._target(item)
-        return _Loose(value.clone() if copy else value, item.layout)
+        return _Loose(value.clone() if copy else value, item.layout, self.plan.config.transform)
 
     def _install(self, item: TensorPlan, loose: _Loose) -> None:
+        assert self.plan is not None
+        transform = self.plan.config.transform
         target = self._target(item)
         value = loose.value.to(device=target.device, dtype=target.dtype)
-        if loose.layout == item.layout:
+        if loose.layout == item.layout and (item.dense or loose.transform == transform):
             target.copy_(value if item.dense else value.view(item.matrix_shape))
             return
-        dense = value if loose.layout is None else _to_dense(value, loose.layout)
+        if loose.layout == item.layout:  # same tiles, another transform: T'(T^-1(M)), the padding kept
+            assert item.layout is not None
+            scratch, padded = torch.empty_like(target), torch.empty_like(target)
+            inverse_spectrum(value.view(item.matrix_shape), item.layout, padded, scratch, transform=loose.transform)
+            whole = TileLayout(item.matrix_shape, *item.matrix_shape, item.layout.tile_rows, item.layout.tile_cols)
+            accumulate_spectrum(padded, whole, target, 0.0, scratch, transform=transform)
+            return
+        dense = value if loose.layout is None else _to_dense(value, loose.layout, loose.transform)
         if item.dense:
             target.copy_(dense.reshape(item.shape))
         else:
             scratch = torch.empty(item.matrix_shape, dtype=target.dtype, device=target.device)
-            accumulate_spectrum(dense.reshape(item.shape), item.layout, target, 0.0, scratch)  # type: ignore[arg-type]
+            accumulate_spectrum(dense.reshape(item.shape), item.layout, target, 0.0, scratch, transform=transform)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ access
     def item(self, p: Tensor) -> Optional[TensorPlan]:
@@ -137,32 +154,35 @@ class SpectralMomentum:
         if item is None and loose is None:
             return torch.zeros(p.shape, dtype=compute_dtype(p.dtype), device=p.device)
         if loose is not None:  # loaded (or left the plan): it takes its place at the next adopt
-            value, layout = loose.value, loose.layout
+            value, layout, transform = loose.value, loose.layout, loose.transform
         else:
-            assert item is not None
-            value, layout = self._target(item), item.layout
-        return (value.clone() if layout is None else _to_dense(value, layout)).reshape(p.shape)
+            assert item is not None and self.plan is not None
+            value, layout, transform = self._target(item), item.layout, self.plan.config.transform
+        return (value.clone() if layout is None else _to_dense(value, layout, transform)).reshape(p.shape)
 
     def has(self, p: Tensor) -> bool:
         return self.item(p) is not None or p in self._loose
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, index_of: Mapping[Tensor, int]) -> dict[str, Any]:
-        """``{"version": 2, "momenta": {index: {"value", "layout"}}}``: every momentum this worker
-        holds, by parameter index (the optimizer ``state_dict`` numbering), copied."""
+        """``{"version": 2, "momenta": {index: {"value", "layout", "transform"}}}``: every momentum this
+        worker holds, by parameter index (the optimizer ``state_dict`` numbering), copied; ``transform``
+        names the coefficients a spectrum is in (``"dct"``, ``"haar"``, ``"identity"``)."""
         momenta: dict[int, dict[str, Any]] = {}
         if self.plan is not None:
+            transform = self.plan.config.transform
             for p, item in zip(self.params, self.plan.tensors):
-                momenta[index_of[p]] = {"value": self._target(item).clone(), "layout": _layout_fields(item.layout)}
+                momenta[index_of[p]] = {"value": self._target(item).clone(), "layout": _layout_fields(item.layout), "transform": transform}
         for p, loose in self._loose.items():
             if p in index_of:
-                momenta[index_of[p]] = {"value": loose.value.clone(), "layout": _layout_fields(loose.layout)}
+                momenta[index_of[p]] = {"value": loose.value.clone(), "layout": _layout_fields(loose.layout), "transform": loose.transform}
         return {"version": MOMENTUM_STATE_VERSION, "momenta": momenta}
 
     def load_state_dict(self, state: Mapping[str, Any], params: list[Tensor]) -> None:
         """Install momenta saved by :meth:`state_dict` (``params``: all parameters by index). They
         take their place at the next :meth:`adopt` (the exchange's next step), re-tiled if the
-        settings changed since; bitwise when they did not."""
+        settings (tiling or transform) changed since; bitwise when they did not. An entry without a
+        ``"transform"`` (saved before the choice existed) is DCT."""
         version = state.get("version")
         if version != MOMENTUM_STATE_VERSION:
             raise ValueError(f"DeMo momentum state of layout version {version!r}; this version reads {MOMENTUM_STATE_VERSION} "
@@ -180,7 +200,10 @@ class SpectralMomentum:
                 if rows * cols != p.numel() or tuple(entry["value"].shape) != (layout.padded_rows, layout.padded_cols):
                     raise ValueError(f"saved DeMo momentum for parameter {index} has shape {tuple(entry['value'].shape)} for a "
                                      f"parameter of shape {tuple(p.shape)}: the checkpoint comes from a different model")
-            loose[p] = _Loose(entry["value"].detach().to(dtype=compute_dtype(p.dtype), device=p.device).clone(), layout)
+            transform = entry.get("transform", "dct")
+            if transform not in TRANSFORMS:
+                raise ValueError(f"saved DeMo momentum for parameter {index} is in transform {transform!r}; this version reads {TRANSFORMS}")
+            loose[p] = _Loose(entry["value"].detach().to(dtype=compute_dtype(p.dtype), device=p.device).clone(), layout, transform)
         self._replace(loose)
 
     def load_dense(self, momenta: Mapping[int, Tensor], params: list[Tensor], merge: bool = False) -> None:
@@ -208,9 +231,9 @@ class SpectralMomentum:
         self._loose = {}
 
 
-def _to_dense(value: Tensor, layout: TileLayout) -> Tensor:
+def _to_dense(value: Tensor, layout: TileLayout, transform: str) -> Tensor:
     scratch, out = torch.empty_like(value), torch.empty_like(value)
-    return inverse_spectrum(value, layout, out, scratch)[: layout.rows, : layout.cols].reshape(layout.shape).clone()
+    return inverse_spectrum(value, layout, out, scratch, transform=transform)[: layout.rows, : layout.cols].reshape(layout.shape).clone()
 
 
 def _param_at(params: list[Tensor], index: Any) -> Tensor:

@@ -29,8 +29,9 @@ share of the node's link, :mod:`~demo_lightning.comm.topology`) ``x 8 / inter_gb
 its bytes go over its own intra-node link at ``intra_gbps``; plus the hops' latency. DDP's ring over
 all ranks (NCCL orders it by node) is modeled the same way: ``1 / G`` of its bytes on the node's link.
 
-Histograms every ``histogram_every`` steps (rank 0's values): ``demo/dct_abs/<group>`` (DCT
-coefficient magnitudes of the residual momenta) and ``demo/residual_norm/<group>``.
+Histograms every ``histogram_every`` steps (rank 0's values): ``demo/dct_abs/<group>`` (coefficient
+magnitudes of the residual momenta in the exchange's own ``transform``: DCT by default, Haar or
+none; the tag keeps its name whatever the transform) and ``demo/residual_norm/<group>``.
 
 Dashboard (into each :class:`~lightning.pytorch.loggers.TensorBoardLogger`'s run directory, by rank
 0 only, no collective; open it with ``tensorboard --logdir <the loggers' save_dir>``):
@@ -104,7 +105,7 @@ from demo_lightning.algorithms.config import CodecConfig
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.callbacks.context import communicator_of, exchanges_of, named_trainable
 from demo_lightning.callbacks.layer_kinds import layer_kinds
-from demo_lightning.codec import dct2, plan_tiles, to_tiles
+from demo_lightning.codec import plan_tiles, tile_transform, to_tiles
 from demo_lightning.comm import ByteLedger, CollectiveRecord
 from demo_lightning.validation import check_int, check_number, check_optional_int, is_number
 
@@ -671,7 +672,7 @@ class CommunicationMonitor(Callback):
         coefficients: dict[str, list[Tensor]] = defaultdict(list)
         norms: dict[str, list[float]] = defaultdict(list)
         for ex in exchanges:
-            chunk = ex.config.codec.chunk
+            chunk, transform = ex.config.codec.chunk, ex.config.codec.transform
             for p in ex.parameters():
                 if not ex.has_momentum(p):
                     continue
@@ -679,7 +680,7 @@ class CommunicationMonitor(Callback):
                 group = self._groups.get(p, "other")
                 norms[group].append(float(residual.norm()))
                 layout = plan_tiles(tuple(residual.shape), chunk)
-                coefficients[group].append(dct2(to_tiles(residual.float(), layout)).abs().reshape(-1))
+                coefficients[group].append(tile_transform(to_tiles(residual.float(), layout), transform).abs().reshape(-1))
         for writer in writers:
             for group, values in coefficients.items():
                 writer.add_histogram(f"demo/dct_abs/{group}", torch.cat(values), step)

@@ -1,13 +1,16 @@
-"""Pure tensor code of the DeMo exchange: DCT basis, tiling, selection and wire packing.
+"""Pure tensor code of the DeMo exchange: the tile transforms (DCT, Haar, identity), tiling, selection and wire packing.
 
 Nothing here touches ``torch.distributed``; every function is deterministic for a given input.
 """
 
+from demo_lightning.codec.bases import TRANSFORMS, Transform, haar_basis, inverse_tile_transform, tile_transform, transform_basis
 from demo_lightning.codec.chunking import TileLayout, from_tiles, plan_tiles, to_tiles
 from demo_lightning.codec.dct import dct2, dct_basis, idct2
 from demo_lightning.codec.packing import (
+    DEFAULT_HEAD_SHARE,
     VALUE_FORMATS,
     ValueFormat,
+    head_count,
     index_bits,
     pack_bits,
     pack_segment,
@@ -33,6 +36,13 @@ from demo_lightning.codec.selection import (
 )
 
 __all__ = [
+    "TRANSFORMS",
+    "Transform",
+    "haar_basis",
+    "inverse_tile_transform",
+    "tile_transform",
+    "transform_basis",
+    "DEFAULT_HEAD_SHARE",
     "SELECTIONS",
     "VALUE_FORMATS",
     "Selection",
@@ -42,6 +52,7 @@ __all__ = [
     "dct2",
     "dct_basis",
     "from_tiles",
+    "head_count",
     "idct2",
     "index_bits",
     "lowpass_order",

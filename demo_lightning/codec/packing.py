@@ -3,7 +3,7 @@
 A segment for ``T`` tiles with ``k`` coefficients each is laid out as
 
     [positions: T*k indices, bit-packed at ceil(log2(tile_numel)) bits]   (only when sent)
-    [values: T*k values in the chosen value format (+ per-tile scales for int8 and sign)]
+    [values: T*k values in the chosen value format (+ per-tile scales for fp8, int8, mixed and sign)]
 
 Index width: a tile of 4096 elements needs 12 bits, not the 64 of an int64 (the DeMo reference
 spends 8 of its 12 bytes per coefficient on indices).
@@ -16,9 +16,22 @@ format     encoding                                                         loss
 ``fp32``   IEEE float32                                                     yes
 ``bf16``   bfloat16 (round to nearest even; beyond +-3.3895e38 saturates)   for bf16 data
 ``fp16``   float16 (round to nearest even; beyond +-65504 saturates)        for fp16 data
+``fp8_e4m3``  per-tile scale ``s = max|v| / 448`` (fp32) and ``v/s`` as float8     no
+             e4m3 (3 mantissa bits; round to nearest even, clamped to +-448)
+``fp8_e5m2``  per-tile scale ``s = max|v| / 57344`` (fp32) and ``v/s`` as float8   no
+             e5m2 (2 mantissa bits, more range)
 ``int8``   per-tile scale ``s = max|v| / 127`` (fp32) and ``round(v/s)``    no
+``mixed``  per tile the strongest ``h = ceil(head_share * k)`` values in fp16,  no
+           the other ``k - h`` in int8 with their own scale (``max`` of those)
 ``sign``   per-tile scale ``s = mean|v|`` (fp32) and one bit ``v >= 0``     no
 =========  ===============================================================  ===========
+
+``mixed`` (seed 000 §7: key frequencies in FP16, edge frequencies in INT8) sends the first ``h``
+values of each row in fp16 and the rest in int8: the selections hand them over strongest first for
+this format (``torch.topk(..., sorted=True)``), and ``selection="lowpass"`` in its fixed frequency
+order, so the ``h`` lowest frequencies go in fp16. ``head_share`` (in (0, 1), default a quarter) is
+an argument of every function here that sizes, packs or unpacks values. Every format keeps the
+order of positions and values: unpacking returns them as they were packed.
 
 :func:`pack_segment` also returns the values a receiver will decode, so a sender can subtract
 exactly what it sent (error feedback keeps the quantisation error). Unpacking returns those
@@ -28,9 +41,10 @@ equal the input exactly.
 Range: finite inputs always decode to finite values. A float format *saturates*: a finite value
 beyond the format's largest finite value ``M`` is sent as ``+-M`` (:func:`saturate`), where a
 plain cast would give inf and poison the mean and the residual; the sender's error feedback
-(``v - decoded``) keeps the excess, which goes out in later steps. ``int8`` and ``sign`` scales
-stay finite for any finite tile (``127 * s`` and ``mean|v|`` never overflow fp32), and an all-zero
-tile has scale 0 and decodes to exact zeros. Non-finite inputs (inf, NaN) are not disguised: they
+(``v - decoded``) keeps the excess, which goes out in later steps. The scaled formats' scales
+(fp8, int8, sign) stay finite for any finite tile (``max_code * s`` and ``mean|v|`` never overflow
+fp32; fp8 codes are clamped to the format's largest finite value before the cast, which would give
+NaN in e4m3 and inf in e5m2), and an all-zero tile has scale 0 and decodes to exact zeros. Non-finite inputs (inf, NaN) are not disguised: they
 decode to non-finite values (the non-finite guard keeps them from being exchanged at all).
 :func:`saturation_limit` gives a tighter ``M`` for values that are summed in the wire format
 (the low-pass all-reduce), so that a sum of ``W`` of them cannot overflow either.
@@ -52,8 +66,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DEFAULT_HEAD_SHARE",
     "VALUE_FORMATS",
     "ValueFormat",
+    "head_count",
     "index_bits",
     "pack_bits",
     "unpack_bits",
@@ -69,15 +85,30 @@ __all__ = [
     "unpack_segments",
 ]
 
-ValueFormat = Literal["fp32", "bf16", "fp16", "int8", "sign"]
+ValueFormat = Literal["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "mixed", "sign"]
 VALUE_FORMATS: tuple[str, ...] = get_args(ValueFormat)
 _FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# one byte a value and a per-tile fp32 scale: (code dtype, largest code magnitude)
+_SCALED_FORMATS: dict[str, tuple[torch.dtype, float]] = {
+    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+    "fp8_e5m2": (torch.float8_e5m2, 57344.0),
+    "int8": (torch.int8, 127.0),
+}
 _SCALE_BYTES = 4
+DEFAULT_HEAD_SHARE = 0.25
+"""``mixed``: the share of each tile's kept values sent in fp16 (the rest in int8)."""
 
 
 def _check_format(value_format: str) -> None:
     if value_format not in VALUE_FORMATS:
         raise ValueError(f"value_format must be one of {VALUE_FORMATS}, got {value_format!r}")
+
+
+def head_count(k: int, head_share: float = DEFAULT_HEAD_SHARE) -> int:
+    """``mixed``: how many of a tile's ``k`` values go in fp16: ``ceil(head_share * k)``, at least 1."""
+    if not 0.0 < head_share < 1.0:
+        raise ValueError(f"head_share must lie in (0, 1) (the share of each tile's kept values sent in fp16), got {head_share!r}")
+    return min(k, max(1, math.ceil(head_share * k - 1e-9)))
 
 
 def index_bits(tile_numel: int) -> int:
@@ -164,7 +195,9 @@ def saturate(values: Tensor, value_format: ValueFormat, summands: int = 1) -> Te
     return torch.where(torch.isinf(values), values, clamped).to(dtype)
 
 
-def _encode_values(values: Tensor, value_format: ValueFormat, segments: tuple[int, ...] | None = None) -> tuple[list[Tensor], Tensor]:
+def _encode_values(
+    values: Tensor, value_format: ValueFormat, segments: tuple[int, ...] | None = None, head_share: float = DEFAULT_HEAD_SHARE
+) -> tuple[list[Tensor], Tensor]:
     """Encode ``values`` ``(T, k)``: the wire bytes per field and the fp32 values a receiver will decode.
 
     ``segments``: values per segment (default one segment); sign bits are byte-aligned per segment.
@@ -174,15 +207,15 @@ def _encode_values(values: Tensor, value_format: ValueFormat, segments: tuple[in
     if value_format in _FLOAT_FORMATS:
         narrow = saturate(values, value_format)
         return [_as_bytes(narrow)], narrow.to(torch.float32)
+    if value_format in _SCALED_FORMATS:
+        return _encode_scaled(values, value_format)
+    if value_format == "mixed":
+        h = head_count(values.shape[1], head_share)
+        head = saturate(values[:, :h], "fp16")
+        tail_parts, tail = _encode_scaled(values[:, h:], "int8")
+        return [_as_bytes(head), *tail_parts], torch.cat([head.to(torch.float32), tail], dim=1)
     magnitude = values.abs()
     peak = magnitude.amax(dim=1, keepdim=True)
-    if value_format == "int8":
-        scale = peak / 127.0
-        # max|v| near fp32's max: s = max|v| / 127 may round up so far that 127 * s is inf; step down
-        scale = torch.where(torch.isinf(scale * 127.0) & torch.isfinite(scale), torch.nextafter(scale, torch.zeros_like(scale)), scale)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero tile: codes 0, decoded 0 * 0
-        codes = torch.round(values / safe).clamp_(-127, 127).to(torch.int8)
-        return [_as_bytes(scale), _as_bytes(codes)], _decode_int8(scale, codes)
     scale = magnitude.mean(dim=1, keepdim=True)
     # the sum of |v| can overflow fp32 although every |v| is finite: then mean|v| = max|v| * mean(|v| / max|v|)
     rescaled = peak * (magnitude / torch.where(peak > 0, peak, torch.ones_like(peak))).mean(dim=1, keepdim=True)
@@ -192,7 +225,25 @@ def _encode_values(values: Tensor, value_format: ValueFormat, segments: tuple[in
     return [_as_bytes(scale), bits], _decode_sign(scale, positive)
 
 
-def _decode_int8(scale: Tensor, codes: Tensor) -> Tensor:
+def _encode_scaled(values: Tensor, value_format: str) -> tuple[list[Tensor], Tensor]:
+    """fp8 / int8: a per-row scale ``s = max|v| / max_code`` (fp32) and one-byte codes of ``v / s``."""
+    dtype, top = _SCALED_FORMATS[value_format]
+    if values.shape[1] == 0:  # mixed with every value in the head: an empty tail still has its scale
+        scale = values.new_zeros((values.shape[0], 1))
+        return [_as_bytes(scale), values.new_zeros(0, dtype=torch.uint8)], values.new_zeros(values.shape)
+    scale = values.abs().amax(dim=1, keepdim=True) / top
+    # max|v| near fp32's max: s = max|v| / max_code may round up so far that max_code * s is inf; step down
+    scale = torch.where(torch.isinf(scale * top) & torch.isfinite(scale), torch.nextafter(scale, torch.zeros_like(scale)), scale)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero tile: codes 0, decoded 0 * 0
+    scaled = values / safe
+    if dtype == torch.int8:
+        codes = torch.round(scaled).clamp_(-top, top).to(torch.int8)
+    else:  # round to nearest even in the float8 format; clamp first: a cast beyond its range gives NaN (e4m3) / inf
+        codes = scaled.clamp(-top, top).to(dtype)
+    return [_as_bytes(scale), _as_bytes(codes)], _decode_scaled(scale, codes)
+
+
+def _decode_scaled(scale: Tensor, codes: Tensor) -> Tensor:
     return codes.to(torch.float32) * scale
 
 
@@ -200,20 +251,30 @@ def _decode_sign(scale: Tensor, positive: Tensor) -> Tensor:
     return torch.where(positive, scale, -scale)
 
 
-def quantize_values(values: Tensor, value_format: ValueFormat) -> Tensor:
-    """Round ``values`` ``(T, k)`` through ``value_format``; return what a receiver decodes (fp32)."""
-    return _encode_values(values, value_format)[1]
+def quantize_values(values: Tensor, value_format: ValueFormat, head_share: float = DEFAULT_HEAD_SHARE) -> Tensor:
+    """Round ``values`` ``(T, k)`` through ``value_format``; return what a receiver decodes (fp32).
+
+    ``mixed``: in the given order (the first ``h`` of each row in fp16), as without positions."""
+    return _encode_values(values, value_format, head_share=head_share)[1]
 
 
-def values_nbytes(n_tiles: int, k: int, value_format: ValueFormat) -> int:
+def values_nbytes(n_tiles: int, k: int, value_format: ValueFormat, head_share: float = DEFAULT_HEAD_SHARE) -> int:
     """Bytes taken by ``n_tiles * k`` values (and their scales) in ``value_format``."""
+    return sum(_value_field_sizes(n_tiles, k, value_format, head_share))
+
+
+def _value_field_sizes(n_tiles: int, k: int, value_format: str, head_share: float) -> list[int]:
+    """The values' fields of one segment, in wire order."""
     _check_format(value_format)
     count = n_tiles * k
     if value_format in _FLOAT_FORMATS:
-        return count * _FLOAT_FORMATS[value_format].itemsize
-    if value_format == "int8":
-        return n_tiles * _SCALE_BYTES + count
-    return n_tiles * _SCALE_BYTES + math.ceil(count / 8)
+        return [count * _FLOAT_FORMATS[value_format].itemsize]
+    if value_format in _SCALED_FORMATS:
+        return [n_tiles * _SCALE_BYTES, count]
+    if value_format == "mixed":
+        h = head_count(k, head_share)
+        return [n_tiles * h * 2, n_tiles * _SCALE_BYTES, n_tiles * (k - h)]
+    return [n_tiles * _SCALE_BYTES, math.ceil(count / 8)]
 
 
 def positions_nbytes(n_tiles: int, k: int, tile_numel: int) -> int:
@@ -221,10 +282,12 @@ def positions_nbytes(n_tiles: int, k: int, tile_numel: int) -> int:
     return math.ceil(n_tiles * k * index_bits(tile_numel) / 8)
 
 
-def segment_nbytes(n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool) -> int:
+def segment_nbytes(
+    n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool, head_share: float = DEFAULT_HEAD_SHARE
+) -> int:
     """Bytes of one packed segment (see the module docstring for the layout)."""
     position_bytes = positions_nbytes(n_tiles, k, tile_numel) if with_positions else 0
-    return position_bytes + values_nbytes(n_tiles, k, value_format)
+    return position_bytes + values_nbytes(n_tiles, k, value_format, head_share)
 
 
 def _as_bytes(x: Tensor) -> Tensor:
@@ -237,7 +300,7 @@ def _from_bytes(buf: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def pack_segment(
-    positions: Tensor | None, values: Tensor, tile_numel: int, value_format: ValueFormat
+    positions: Tensor | None, values: Tensor, tile_numel: int, value_format: ValueFormat, head_share: float = DEFAULT_HEAD_SHARE
 ) -> tuple[Tensor, Tensor]:
     """Pack positions (optional) and values ``(T, k)`` into one ``uint8`` buffer.
 
@@ -245,14 +308,15 @@ def pack_segment(
         ``(buffer, decoded)``: the bytes, and the fp32 values that :func:`unpack_segment` will
         return for them (bit for bit), for the sender's error feedback.
     """
-    return pack_segments(positions, values, (values.shape[0],), tile_numel, value_format)
+    return pack_segments(positions, values, (values.shape[0],), tile_numel, value_format, head_share)
 
 
 def unpack_segment(
-    buf: Tensor, n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool
+    buf: Tensor, n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool,
+    head_share: float = DEFAULT_HEAD_SHARE,
 ) -> tuple[Tensor | None, Tensor]:
     """Inverse of :func:`pack_segment`: ``(positions or None, values as fp32)``, both ``(T, k)``."""
-    return unpack_segments(buf, (n_tiles,), k, tile_numel, value_format, with_positions)
+    return unpack_segments(buf, (n_tiles,), k, tile_numel, value_format, with_positions, head_share)
 
 @functools.lru_cache(maxsize=256)
 def _bit_field_index(counts: tuple[int, ...], bits: int, device: torch.device) -> tuple[int, Tensor | None]:
@@ -293,28 +357,28 @@ def _unpack_bit_fields(packed: Tensor, bits: int, counts: tuple[int, ...]) -> Te
     return (stream.view(-1, bits) * weights).sum(dim=1)
 
 
-def _field_sizes(tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool) -> list[list[int]]:
-    """Per field (positions, scales, values) in wire order, the bytes each segment gives it."""
+def _field_sizes(
+    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool, head_share: float
+) -> list[list[int]]:
+    """Per field (positions, scales, values, ...) in wire order, the bytes each segment gives it."""
     fields = []
     if with_positions:
         fields.append([math.ceil(t * k * index_bits(tile_numel) / 8) for t in tiles])
-    if value_format in _FLOAT_FORMATS:
-        fields.append([t * k * _FLOAT_FORMATS[value_format].itemsize for t in tiles])
-    else:
-        fields.append([t * _SCALE_BYTES for t in tiles])
-        fields.append([t * k if value_format == "int8" else math.ceil(t * k / 8) for t in tiles])
+    per_segment = [_value_field_sizes(t, k, value_format, head_share) for t in tiles]
+    fields.extend([sizes[f] for sizes in per_segment] for f in range(len(per_segment[0])))
     return fields
 
 
 @functools.lru_cache(maxsize=256)
 def _interleave_index(
-    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool, device: torch.device
+    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool, device: torch.device,
+    head_share: float = DEFAULT_HEAD_SHARE,
 ) -> Tensor | None:
     """Index that turns field-major bytes (every segment's positions, then every scale, ...) into
     segment-major wire order (segment 0's fields, then segment 1's, ...); ``None`` for one segment."""
     if len(tiles) == 1:
         return None
-    fields = _field_sizes(tiles, k, tile_numel, value_format, with_positions)
+    fields = _field_sizes(tiles, k, tile_numel, value_format, with_positions, head_share)
     starts, base = [], 0
     for sizes in fields:
         starts.append([base + sum(sizes[:i]) for i in range(len(tiles))])
@@ -324,7 +388,8 @@ def _interleave_index(
 
 
 def pack_segments(
-    positions: Tensor | None, values: Tensor, tiles: Sequence[int], tile_numel: int, value_format: ValueFormat
+    positions: Tensor | None, values: Tensor, tiles: Sequence[int], tile_numel: int, value_format: ValueFormat,
+    head_share: float = DEFAULT_HEAD_SHARE,
 ) -> tuple[Tensor, Tensor]:
     """Pack consecutive segments of ``tiles[i]`` rows each, as :func:`pack_segment` would one by one.
 
@@ -337,30 +402,31 @@ def pack_segments(
         raise ValueError(f"segments cover {sum(counts)} tiles, values have {values.shape[0]} rows")
     k = values.shape[1]
     per_segment = tuple(t * k for t in counts)
-    parts, decoded = _encode_values(values, value_format, per_segment)
+    parts, decoded = _encode_values(values, value_format, per_segment, head_share)
     if positions is not None:
         parts.insert(0, _pack_bit_fields(positions, index_bits(tile_numel), per_segment))
     buf = torch.cat(parts) if len(parts) > 1 else parts[0]
-    order = _interleave_index(counts, k, tile_numel, value_format, positions is not None, buf.device)
-    return (buf if order is None else buf[order]), decoded
+    interleave = _interleave_index(counts, k, tile_numel, value_format, positions is not None, buf.device, head_share)
+    return (buf if interleave is None else buf[interleave]), decoded
 
 
 def unpack_segments(
-    buf: Tensor, tiles: Sequence[int], k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool
+    buf: Tensor, tiles: Sequence[int], k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool,
+    head_share: float = DEFAULT_HEAD_SHARE,
 ) -> tuple[Tensor | None, Tensor]:
     """Inverse of :func:`pack_segments`: ``(positions or None, values as fp32)``, both ``(sum(tiles), k)``."""
     _check_format(value_format)
     counts = tuple(int(t) for t in tiles)
     n_tiles = sum(counts)
-    expected = sum(segment_nbytes(t, k, tile_numel, value_format, with_positions) for t in counts)
+    expected = sum(segment_nbytes(t, k, tile_numel, value_format, with_positions, head_share) for t in counts)
     if buf.numel() != expected:
         raise ValueError(f"segment{'s' if len(counts) > 1 else ''} of {counts} tiles x {k} hold {buf.numel()} bytes, expected {expected}")
-    order = _interleave_index(counts, k, tile_numel, value_format, with_positions, buf.device)
+    order = _interleave_index(counts, k, tile_numel, value_format, with_positions, buf.device, head_share)
     if order is not None:
         fields = torch.empty_like(buf)
         fields[order] = buf
         buf = fields
-    sizes = [sum(f) for f in _field_sizes(counts, k, tile_numel, value_format, with_positions)]
+    sizes = [sum(f) for f in _field_sizes(counts, k, tile_numel, value_format, with_positions, head_share)]
     chunks = list(torch.split(buf, sizes))
     positions = None
     per_segment = tuple(t * k for t in counts)
@@ -368,8 +434,17 @@ def unpack_segments(
         positions = _unpack_bit_fields(chunks.pop(0), index_bits(tile_numel), per_segment).view(n_tiles, k)
     if value_format in _FLOAT_FORMATS:
         return positions, _from_bytes(chunks[0], _FLOAT_FORMATS[value_format]).to(torch.float32).view(n_tiles, k)
+    if value_format in _SCALED_FORMATS:
+        return positions, _unpack_scaled(chunks[0], chunks[1], value_format, n_tiles, k)
+    if value_format == "mixed":
+        h = head_count(k, head_share)
+        head = _from_bytes(chunks[0], torch.float16).to(torch.float32).view(n_tiles, h)
+        return positions, torch.cat([head, _unpack_scaled(chunks[1], chunks[2], "int8", n_tiles, k - h)], dim=1)
     scale = _from_bytes(chunks[0], torch.float32).view(n_tiles, 1)
-    if value_format == "int8":
-        return positions, _decode_int8(scale, _from_bytes(chunks[1], torch.int8).view(n_tiles, k))
     signs = _unpack_bit_fields(chunks[1], 1, per_segment).view(n_tiles, k)
     return positions, _decode_sign(scale, signs.bool())
+
+
+def _unpack_scaled(scales: Tensor, codes: Tensor, value_format: str, n_tiles: int, k: int) -> Tensor:
+    scale = _from_bytes(scales, torch.float32).view(n_tiles, 1)
+    return _decode_scaled(scale, _from_bytes(codes, _SCALED_FORMATS[value_format][0]).view(n_tiles, k))

@@ -23,6 +23,11 @@ such offsets (for ``gather`` / ``scatter``), for one tensor or for several store
 
 Rounding: the result equals :func:`~demo_lightning.codec.dct2` of the tiles up to float rounding
 (the same products, summed by different GEMM kernels); a given call is deterministic.
+
+Transforms (``transform``, see :mod:`~demo_lightning.codec.bases`): the DCT-II above is the default;
+``"haar"`` runs the same two GEMMs with the Haar wavelet matrices in place of ``C_r`` and ``C_c``;
+``"identity"`` runs no GEMM at all: ``K <- decay K + pad(x)`` is one elementwise pass (a plain copy
+at decay 0), and the inverse is ``scale * K``.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from demo_lightning.codec.bases import transform_basis
 from demo_lightning.codec.chunking import TileLayout
-from demo_lightning.codec.dct import dct_basis
 
 __all__ = ["accumulate_spectrum", "flat_index", "inverse_spectrum", "padded_matrix", "tile_origins", "tile_view"]
 
@@ -48,28 +53,36 @@ def padded_matrix(x: Tensor, layout: TileLayout, work: Tensor | None = None) -> 
     return work
 
 
-def _bases(layout: TileLayout, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    return dct_basis(layout.tile_rows, dtype, device), dct_basis(layout.tile_cols, dtype, device)
+def _bases(layout: TileLayout, dtype: torch.dtype, device: torch.device, transform: str) -> tuple[Tensor, Tensor]:
+    rows, cols = transform_basis(transform, layout.tile_rows, dtype, device), transform_basis(transform, layout.tile_cols, dtype, device)
+    assert rows is not None and cols is not None  # "identity" never multiplies
+    return rows, cols
 
 
 def accumulate_spectrum(
-    x: Tensor | None, layout: TileLayout, out: Tensor, decay: float, scratch: Tensor, padded: Tensor | None = None
+    x: Tensor | None, layout: TileLayout, out: Tensor, decay: float, scratch: Tensor, padded: Tensor | None = None,
+    transform: str = "dct",
 ) -> Tensor:
-    """``out <- decay * out + DCT(pad(x))`` per tile, on the matrix layout (see the module docstring).
+    """``out <- decay * out + T(pad(x))`` per tile, on the matrix layout (see the module docstring).
 
     Args:
         x: the tensor (``layout.shape``, ``out``'s dtype), or ``None`` for a zero input.
         out: ``Rp x Cp`` coefficients, updated in place. With ``decay == 0`` its old contents are
             ignored (not read: NaN in them does not propagate), so it need not be initialised.
-        scratch: an ``Rp x Cp`` buffer for the intermediate product (any contents).
+        scratch: an ``Rp x Cp`` buffer for the intermediate product (any contents; unused by ``"identity"``).
         padded: for a shape that does not tile exactly, an ``Rp x Cp`` buffer whose padding is zero
             (it stays zero: only the ``R x C`` corner is written); allocated when ``None``.
+        transform: ``T``: ``"dct"`` (DCT-II), ``"haar"`` or ``"identity"`` (no GEMM: ``out <- decay *
+            out + pad(x)`` in one elementwise pass, a copy at decay 0);
+            see :mod:`~demo_lightning.codec.bases`.
     """
     if x is None:
         return out.mul_(decay) if decay != 0 else out.zero_()
-    rows_basis, cols_basis = _bases(layout, out.dtype, out.device)
-    tr, tc, rp, cp = layout.tile_rows, layout.tile_cols, layout.padded_rows, layout.padded_cols
     matrix = padded_matrix(x, layout, padded)
+    if transform == "identity":
+        return out.copy_(matrix) if decay == 0 else torch.add(matrix, out, alpha=decay, out=out)
+    rows_basis, cols_basis = _bases(layout, out.dtype, out.device, transform)
+    tr, tc, rp, cp = layout.tile_rows, layout.tile_cols, layout.padded_rows, layout.padded_cols
     if tr == 1:  # one-row tiles: the left factor is [[1]]
         left = matrix
     else:
@@ -78,11 +91,16 @@ def accumulate_spectrum(
     return torch.addmm(flat_out, left.reshape(rp * cp // tc, tc), cols_basis.T, beta=decay, out=flat_out).view(rp, cp)
 
 
-def inverse_spectrum(coefficients: Tensor, layout: TileLayout, out: Tensor, scratch: Tensor, scale: float = 1.0) -> Tensor:
-    """``out <- scale * IDCT(coefficients)`` per tile: ``Rp x Cp`` in, ``Rp x Cp`` out (crop with
+def inverse_spectrum(
+    coefficients: Tensor, layout: TileLayout, out: Tensor, scratch: Tensor, scale: float = 1.0, transform: str = "dct"
+) -> Tensor:
+    """``out <- scale * T^-1(coefficients)`` per tile: ``Rp x Cp`` in, ``Rp x Cp`` out (crop with
     ``out[:R, :C]``). ``out`` and ``scratch`` (``Rp x Cp``, any contents) must not alias
-    ``coefficients`` or each other; ``out`` need not be initialised."""
-    rows_basis, cols_basis = _bases(layout, coefficients.dtype, coefficients.device)
+    ``coefficients`` or each other; ``out`` need not be initialised. ``transform`` as in
+    :func:`accumulate_spectrum` (``"identity"``: ``out <- scale * coefficients``, no GEMM)."""
+    if transform == "identity":
+        return torch.mul(coefficients.view(out.shape), scale, out=out)
+    rows_basis, cols_basis = _bases(layout, coefficients.dtype, coefficients.device, transform)
     tr, tc, rp, cp = layout.tile_rows, layout.tile_cols, layout.padded_rows, layout.padded_cols
     right = out if tr == 1 else scratch
     flat = right.view(rp * cp // tc, tc)

@@ -1,5 +1,8 @@
 """The strategies' typed options, declared once for both front ends (Trainer and Fabric).
 
+The plumbing arguments (accelerator, precision plugin, ...) are the Trainer's classes or Fabric's,
+whichever front end sets them; the Trainer's come first, as LightningCLI reads them.
+
 :class:`DeMoOptions` and :class:`DesLocOptions` hold the ``__init__`` (every argument typed and
 validated, so LightningCLI shows and checks them) and the registration under the names ``"demo"``
 and ``"desloc"``; ``DeMoStrategy`` / ``DeMoFabricStrategy`` (and the DES-LOC pair) combine them with
@@ -13,8 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union, get_args
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms import DeMoConfig
 from demo_lightning.algorithms.config import CodecConfig, ExchangeSelection
@@ -22,6 +28,7 @@ from demo_lightning.algorithms.demo import Update
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
 from demo_lightning.codec import Selection, ValueFormat
+from demo_lightning.codec.bases import Transform
 from demo_lightning.strategies.runtime import HIERARCHIES, Hierarchy
 from demo_lightning.validation import check_choice, is_number
 
@@ -91,7 +98,19 @@ class DeMoOptions(_Options):
             per step, in turn, picks the positions and broadcasts them, the values are all-reduced, so
             the bytes per worker do not grow with the number of workers; needs value_format "fp32",
             "bf16" or "fp16").
-        value_format: wire format of the kept values: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"sign"``.
+        transform: the orthonormal transform of every tile, ``K = B_r X B_c^T``, before the same
+            selection and error feedback: ``"dct"`` (DCT-II, the paper's), ``"haar"`` (Haar wavelets,
+            rows coarse to fine; for a tile side ``n = 2^L``: ``h_0 = 1/sqrt(n)``,
+            ``h_{2^p+q}(t) = sqrt(2^p/n)`` on the first half of the ``q``-th of ``2^p`` equal segments,
+            minus that on its second half, 0 elsewhere; other sides use the unbalanced Haar basis of the
+            same halving) or ``"identity"`` (no transform: chunked top-k of the momentum itself, as
+            SparseLoCo; no GEMM runs). ``"lowpass"`` keeps the coarsest Haar scales first, and is refused
+            with ``"identity"`` unless ``keep_ratio=1.0``.
+        value_format: wire format of the kept values: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``,
+            ``"fp8_e5m2"`` (a byte a value, per-tile scale), ``"int8"``, ``"mixed"`` (the strongest
+            ``fp16_share`` of each tile's values in fp16, the rest in int8), ``"sign"`` (a bit a value).
+        fp16_share: with ``value_format="mixed"``: the share of each tile's kept values sent in fp16,
+            in (0, 1).
         update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``) or ``"raw"``
             (the shared direction as the gradient, for any optimizer such as AdamW).
         dense_below: tensors with fewer elements are all-reduced densely in fp32 (0: compress all).
@@ -131,7 +150,9 @@ class DeMoOptions(_Options):
         keep_ratio: Optional[float] = None,
         decay: float = 0.99,
         selection: ExchangeSelection = "topk",
+        transform: Transform = "dct",
         value_format: ValueFormat = "sign",
+        fp16_share: float = 0.25,
         update: Update = "sign",
         dense_below: int = 4096,
         bucket_cap_mb: float = 25.0,
@@ -142,15 +163,15 @@ class DeMoOptions(_Options):
         start_method: StartMethod = "popen",
         nonfinite: NonFinitePolicy = "skip",
         hierarchy: Hierarchy = "flat",
-        accelerator: Optional[Accelerator] = None,
+        accelerator: Optional[Union[Accelerator, FabricAccelerator]] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        precision_plugin: Optional[Union[Precision, FabricPrecision]] = None,
     ) -> None:
         demo = DeMoConfig.of(
-            chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection,
-            value_format=value_format, update=update, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
+            chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection, transform=transform,
+            value_format=value_format, fp16_share=fp16_share, update=update, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every,
@@ -183,7 +204,10 @@ class DesLocOptions(_Options):
         selection: ``"topk"`` (largest changes, positions sent) or ``"lowpass"`` (the lowest
             frequencies, no positions); with ``keep_ratio=1.0`` and ``value_format="sign"``,
             ``"lowpass"`` sends every coefficient at about one bit each (with ``compress_params``).
-        value_format: codec value format (with ``compress_params``).
+        transform: the codec's tile transform (with ``compress_params``): ``"dct"``, ``"haar"`` or
+            ``"identity"``, as ``DeMoStrategy``'s (the Haar matrix is defined there).
+        value_format: codec value format (with ``compress_params``), as ``DeMoStrategy``'s.
+        fp16_share: with ``value_format="mixed"`` (and ``compress_params``): the share sent in fp16.
         bucket_cap_mb: largest payload per collective in megabytes.
         final_sync: when training ends, average parameters and buffers once more on every rank, so
             the model saved, validated, tested or exported is the averaged one (each rank's own
@@ -216,18 +240,20 @@ class DesLocOptions(_Options):
         topk: Optional[int] = None,
         keep_ratio: Optional[float] = None,
         selection: Selection = "topk",
+        transform: Transform = "dct",
         value_format: ValueFormat = "sign",
+        fp16_share: float = 0.25,
         bucket_cap_mb: float = 25.0,
         final_sync: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = 1800.0,
         start_method: StartMethod = "popen",
         nonfinite: NonFinitePolicy = "skip",
-        accelerator: Optional[Accelerator] = None,
+        accelerator: Optional[Union[Accelerator, FabricAccelerator]] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        precision_plugin: Optional[Union[Precision, FabricPrecision]] = None,
     ) -> None:
         if param_sync_every is None:  # DesLocConfig allows None (DeMo's optional re-sync); DES-LOC needs a period
             raise ValueError(
@@ -236,8 +262,8 @@ class DesLocOptions(_Options):
             )
         # the configs validate every setting, naming it
         codec = CodecConfig(
-            chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, value_format=value_format,
-            bucket_cap_mb=bucket_cap_mb,
+            chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, transform=transform, value_format=value_format,
+            fp16_share=fp16_share, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every, state_sync_every=state_sync_every, sync_buffers=sync_buffers,

@@ -1,4 +1,4 @@
-"""Decode stage: every rank's contributions summed into the mean's spectrum, then one inverse DCT.
+"""Decode stage: every rank's contributions summed into the mean's spectrum, then one inverse transform.
 
 Per family, the mean's coefficients live in a flat buffer laid out like the family's storage
 (:mod:`~demo_lightning.algorithms.stages.plan`). It is zeroed, then every contribution is added at
@@ -46,14 +46,16 @@ def inverse(
     plan: ExchangePlan, means: dict[object, Tensor], workspace: Workspace, scale: float,
     write: Callable[[TensorPlan, Tensor], None],
 ) -> None:
-    """``write(item, scale * IDCT(mean spectrum)[:R, :C])`` for every compressed tensor, in plan order.
+    """``write(item, scale * T^-1(mean spectrum)[:R, :C])`` for every compressed tensor, in plan order
+    (``T`` the plan's transform).
 
     The tensor handed to ``write`` is a view of a workspace buffer, valid only during the call."""
+    transform = plan.config.transform
     for key, family in plan.families.items():
         flat = means[key]
         for item in family.members:
             layout = item.layout
             assert layout is not None
             out = inverse_spectrum(flat[item.span].view(item.matrix_shape), layout, workspace.scratch(item, second=True),
-                                   workspace.scratch(item), scale)
+                                   workspace.scratch(item), scale, transform)
             write(item, out[: layout.rows, : layout.cols])

@@ -1,10 +1,12 @@
-"""Encode stage: tensors into DCT spectra, spectra into the coefficients to send.
+"""Encode stage: tensors into spectra (DCT, Haar or none), spectra into the coefficients to send.
 
 Two entry points, both pure tensor code (no communication):
 
-* :func:`transform_into` writes ``DCT(pad(x))`` of every compressed input into its family's flat
-  storage (``decay`` 0), or accumulates ``decay * K + DCT(pad(g))`` (DeMo's momentum in
-  coefficient space) into storage that persists between steps;
+* :func:`transform_into` writes ``T(pad(x))`` of every compressed input into its family's flat
+  storage (``decay`` 0), or accumulates ``decay * K + T(pad(g))`` (DeMo's momentum in
+  coefficient space) into storage that persists between steps; ``T`` is the plan's
+  ``config.transform`` (:mod:`~demo_lightning.codec.bases`: DCT-II, Haar wavelets, or
+  ``"identity"``, which copies instead of multiplying);
 * :func:`select` chooses, per tile, the ``k`` coefficients of largest magnitude (``"topk"``) or
   the ``k`` lowest frequencies (``"lowpass"``) from a family's storage and returns their in-tile
   positions, their flat storage offsets and their values: one ``topk`` and one ``take`` for the
@@ -99,9 +101,10 @@ def transform_into(
     workspace: Workspace,
     decay: float | Sequence[float] = 0.0,
 ) -> None:
-    """For every compressed input ``x`` (``None``: a zero input), ``K <- decay * K + DCT(pad(x))``
-    in its family's ``storage`` (flat, ``family.numel`` long). With ``decay`` 0 the storage's old
-    contents are not read. ``decay`` may be one value per input."""
+    """For every compressed input ``x`` (``None``: a zero input), ``K <- decay * K + T(pad(x))``
+    in its family's ``storage`` (flat, ``family.numel`` long), ``T`` the plan's transform. With
+    ``decay`` 0 the storage's old contents are not read. ``decay`` may be one value per input."""
+    transform = plan.config.transform
     for family in plan.families.values():
         flat = storage[family.key]
         for item in family.members:
@@ -110,7 +113,7 @@ def transform_into(
                 x = x.to(item.dtype)
             d = decay if isinstance(decay, (int, float)) else decay[item.position]
             accumulate_spectrum(x, item.layout, flat[item.span].view(item.matrix_shape), float(d),  # type: ignore[arg-type]
-                                workspace.scratch(item), workspace.padded(item))
+                                workspace.scratch(item), workspace.padded(item), transform)
 
 
 def write_magnitudes(family: Family, storage: Tensor, magnitudes: Tensor) -> Tensor:
@@ -133,13 +136,16 @@ def select_at(family: Family, storage: Tensor, positions: Tensor) -> Selected:
     return Selected(family, positions, offsets, storage.take(offsets))
 
 
-def select(family: Family, storage: Tensor, selection: Selection, magnitudes: Optional[Tensor] = None) -> Selected:
+def select(
+    family: Family, storage: Tensor, selection: Selection, magnitudes: Optional[Tensor] = None, strongest_first: bool = False
+) -> Selected:
     """Choose ``k`` coefficients per tile of ``family`` from its flat ``storage``.
 
     ``"topk"`` needs ``magnitudes``, a flat buffer of ``family.numel`` elements (any contents):
     every tile's ``|K|`` is written there tile-major (one pass per tensor: the absolute value and
     the reordering together), and one ``topk`` over it picks the positions (ties broken by
-    ``torch.topk``, the same on every rank for the same data).
+    ``torch.topk``, the same on every rank for the same data); ``strongest_first`` orders each
+    tile's picks by magnitude, largest first (``value_format="mixed"`` sends the first in fp16).
     """
     if selection == "lowpass":
         positions, offsets = family.lowpass_positions, family.lowpass_offsets
@@ -147,7 +153,7 @@ def select(family: Family, storage: Tensor, selection: Selection, magnitudes: Op
         if magnitudes is None:
             raise ValueError("select(..., 'topk') needs a magnitudes buffer of family.numel elements")
         tiles = write_magnitudes(family, storage, magnitudes)
-        return select_at(family, storage, torch.topk(tiles, family.k, dim=1, sorted=False).indices)
+        return select_at(family, storage, torch.topk(tiles, family.k, dim=1, sorted=strongest_first).indices)
     else:
         raise ValueError(f"selection must be 'topk' or 'lowpass', got {selection!r}")
     return Selected(family, positions, offsets, storage.take(offsets))

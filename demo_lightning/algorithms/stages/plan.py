@@ -210,6 +210,12 @@ def build_plan(
         own = overrides[position] if overrides is not None else None
         shape = tuple(x.shape)
         layout, k = config.layout(shape, own)
+        if layout is not None and k < layout.tile_numel and config.transform == "identity" and config.selection == "lowpass":
+            raise ValueError(
+                f"tensor {position} (shape {shape}) keeps {k} of {layout.tile_numel} per tile under transform='identity' and "
+                "selection='lowpass', which would send the same elements every step and never the rest: keep every "
+                "coefficient (keep_ratio=1.0) for it, or use selection='topk'"
+            )
         item = TensorPlan(position, shape, compute_dtype(x.dtype), x.device, layout=layout, k=k)
         if layout is not None:
             item.family = (layout.tile_shape, k, item.dtype, item.device)

@@ -17,8 +17,8 @@ on every rank. Encode and decode do not depend on which transport runs.
   excess stays in the sender's residual. One contribution: the sum.
 
 Profiling: packing one bucket runs inside the stage range ``<names>/transport/pack``, and unpacking
-inside ``<names>/transport/unpack`` (an all-gather: one range per rank's part of the bucket, its runs
-unpacked together before they are yielded; an all-reduce: one per bucket), where ``names`` is the
+inside ``<names>/transport/unpack`` (an all-gather: one range per run of each rank's part of the
+bucket, closed before the run is yielded; an all-reduce: one per bucket), where ``names`` is the
 user's :class:`~demo_lightning.profiling.StageNames` (``demo`` for the exchange, ``codec`` by
 default). The collective's launch and wait are the caller's (its ``transport`` range).
 
@@ -96,17 +96,16 @@ class _GatheredBucket:
         cfg = self.config
         for rank_buf in self.work.wait():  # rank order 0..W-1 on every replica
             offset = 0
-            part = []
-            with stage_range(self.names.unpack):  # one rank's runs together: no range stays open across a yield
-                for out in self.outgoing:
-                    run = out.run
+            for out in self.outgoing:  # one run at a time (the peak is one run decoded), lazily
+                run = out.run
+                with stage_range(self.names.unpack):  # closed before the yield: no range stays open across it
                     positions, values = unpack_segments(
                         rank_buf[offset : offset + run.nbytes], run.tiles, run.family.k, run.family.tile_numel,
-                        cfg.value_format, cfg.sends_positions,
+                        cfg.value_format, cfg.sends_positions, cfg.fp16_share,
                     )
-                    part.append(Contribution(run, positions, values.to(out.values.dtype)))
-                    offset += run.nbytes
-            yield from part
+                    contribution = Contribution(run, positions, values.to(out.values.dtype))
+                offset += run.nbytes
+                yield contribution
 
 
 class AllGatherTransport:
@@ -125,7 +124,7 @@ class AllGatherTransport:
             for out in bucket:
                 run = out.run
                 buf, decoded = pack_segments(out.positions if cfg.sends_positions else None, out.values, run.tiles,
-                                             run.family.tile_numel, cfg.value_format)
+                                             run.family.tile_numel, cfg.value_format, cfg.fp16_share)
                 buffers.append(buf)
                 sent.append(decoded.to(out.values.dtype))
             payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
