@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/codec.py --quick                  # small shapes, short timings (well under a minute)
     .venv/bin/python benchmarks/codec.py --threads 2 --embedding-rows 50257
     .venv/bin/python benchmarks/codec.py --device cuda            # the same on a GPU
+    .venv/bin/python benchmarks/codec.py --quick --transforms dct,haar,identity   # the transforms side by side (the default)
     .venv/bin/python benchmarks/codec.py --render-only            # re-render the markdown from the JSON
     .venv/bin/python benchmarks/exchange_step.py                  # the whole exchange step vs these floors, a revision, the reference
 
@@ -41,6 +42,15 @@ and waits, copying the sent values in, the ledger, the ranges' own cost).
 "isolated sum" is ``transform + select + pack + unpack + 2 * (scatter + inverse)`` from the
 isolated timings (matrix-layout transform); step / isolated sum shows what the step loses to cold
 caches and allocation.
+
+Transforms (``--transforms``, default ``dct,haar,identity``: the codec's ``transform`` setting,
+:mod:`demo_lightning.codec.bases`): for every tensor and each transform, the matrix-layout forward
+transform alone (``accumulate_spectrum`` at decay 0), the exchange's momentum update (the same at
+decay 0.99: ``M <- 0.99 M + T(g)``, what the DeMo step runs), the inverse (``inverse_spectrum``) and
+the whole ``CompressedMean`` call at W = 1 with the first of ``--formats``, side by side, with the
+sum over the tensors. DCT and Haar run the same GEMMs with another matrix (a dense ``tile x tile``
+basis: Haar's sparsity is not used), so they cost the same; ``"identity"`` runs no GEMM (a copy, or
+one elementwise pass with the decay).
 
 Part 2 (bytes, closed forms): for the bundled GPT (``demo_lightning.models.GPT()``) the payload
 one worker hands to the collectives per step (``CodecConfig.payload_bytes`` per trainable
@@ -184,6 +194,8 @@ def time_tensor(name: str, shape: tuple[int, ...], args: argparse.Namespace, dev
     scale = flops / (2 * side**3)
     stages["matmul_floor"] = {**single, "median_s": single["median_s"] * scale, "iqr_s": single["iqr_s"] * scale}
 
+    transforms = time_transforms(x, layout, args, t, device)
+
     formats: dict[str, dict[str, Any]] = {}
     for fmt in args.formats:
         buf, _ = pack_segment(positions, values, layout.tile_numel, fmt)
@@ -198,7 +210,44 @@ def time_tensor(name: str, shape: tuple[int, ...], args: argparse.Namespace, dev
     return {
         "name": name, "shape": list(shape), "numel": numel, "tiles": n, "tile_shape": [r, c], "k": k,
         "dct2_flops": flops, "floor_matmul_side": side, "stages": stages, "matrix_layout": matrix, "formats": formats,
+        "transforms": transforms,
     }
+
+
+def time_transforms(x: Any, layout: Any, args: argparse.Namespace, t: Callable[[Callable[[], Any]], dict[str, float]],
+                    device: Any) -> dict[str, dict[str, Any]]:
+    """Per transform: forward at decay 0, the momentum update at decay 0.99, the inverse, and the
+    whole ``CompressedMean`` call (W = 1, the first of ``--formats``), each checked first against the
+    tile-major product of :func:`demo_lightning.codec.tile_transform`."""
+    import torch
+
+    from demo_lightning.algorithms.compressed_mean import CodecConfig, CompressedMean
+    from demo_lightning.codec import tile_transform, to_tiles
+    from demo_lightning.codec.transform import accumulate_spectrum, inverse_spectrum, tile_view
+    from demo_lightning.comm import Communicator
+
+    matrix_shape = (layout.padded_rows, layout.padded_cols)
+    exact = matrix_shape == (layout.rows, layout.cols)
+    fmt = args.formats[0]
+    out: dict[str, dict[str, Any]] = {}
+    for name in args.transforms:
+        coefficients, scratch, restored = (torch.empty(matrix_shape, dtype=x.dtype, device=device) for _ in range(3))
+        padded = None if exact else torch.zeros(matrix_shape, dtype=x.dtype, device=device)
+        accumulate_spectrum(x, layout, coefficients, 0.0, scratch, padded, transform=name)
+        reference = tile_transform(to_tiles(x, layout), name)
+        if not torch.allclose(tile_view(coefficients, layout).reshape(reference.shape), reference, rtol=1e-4, atol=1e-4):
+            raise SystemExit(f"transform {name!r} {tuple(x.shape)}: accumulate_spectrum differs from the tile-major product")
+        momentum = coefficients.clone()
+        mean = CompressedMean(CodecConfig(chunk=args.chunk, topk=args.topk, value_format=fmt, dense_below=0, transform=name),
+                              Communicator())
+        out[name] = {
+            "format": fmt,
+            "transform": t(lambda: accumulate_spectrum(x, layout, coefficients, 0.0, scratch, padded, transform=name)),
+            "momentum": t(lambda: accumulate_spectrum(x, layout, momentum, 0.99, scratch, padded, transform=name)),
+            "inverse": t(lambda: inverse_spectrum(coefficients, layout, restored, scratch, transform=name)),
+            "step": t(lambda mean=mean: mean([x], "bench")),
+        }
+    return out
 
 
 ISOLATED = ("to_tiles", "dct2", "transform", "select", "select_lowpass", "scatter", "idct2", "inverse", "from_tiles", "decode")
@@ -470,6 +519,7 @@ def render(result: dict[str, Any]) -> str:
             cells += [_mps(r["formats"][f]["elements_per_s"][what]) for f in fmts]
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
 
+    lines += render_transforms(recs)
     labels = list(nb["methods"])
     lines += [
         "",
@@ -496,6 +546,44 @@ def render(result: dict[str, Any]) -> str:
             + f" | {when} |"
         )
     return "\n".join(lines) + "\n"
+
+
+TRANSFORM_COLUMNS = ("transform", "momentum", "inverse", "step")
+
+
+def render_transforms(recs: list[dict[str, Any]]) -> list[str]:
+    """The per-transform table: each column's transforms side by side, and the sum over the tensors."""
+    if not recs or "transforms" not in recs[0]:
+        return []
+    names = list(recs[0]["transforms"])
+    fmt = recs[0]["transforms"][names[0]]["format"]
+    lines = [
+        "",
+        "### Per transform: forward, momentum update, inverse and the whole `CompressedMean` step, ms",
+        "",
+        "forward = `accumulate_spectrum` at decay 0; momentum = the same at decay 0.99 (`M <- 0.99 M + T(g)`, the DeMo "
+        f"step's update); inverse = `inverse_spectrum`; step = `CompressedMean` at W = 1 with {fmt} values (one forward, "
+        "two inverses). DCT and Haar: the same two GEMMs with another dense basis; identity: no GEMM. "
+        "Cells: " + " / ".join(names) + " (the last column: " + names[0] + " over each other transform, for the step).",
+        "",
+        "| tensor | " + " | ".join(("forward", "momentum", "inverse", "step")) + " | step speed-up vs " + names[0] + " |",
+        "|---|---|---|---|---|---|",
+    ]
+    totals = {n: {c: 0.0 for c in TRANSFORM_COLUMNS} for n in names}
+    for r in recs:
+        cells = []
+        for column in TRANSFORM_COLUMNS:
+            seconds = [r["transforms"][n][column]["median_s"] for n in names]
+            for n, sec in zip(names, seconds):
+                totals[n][column] += sec
+            cells.append(" / ".join(_ms(sec) for sec in seconds))
+        base = r["transforms"][names[0]]["step"]["median_s"]
+        speed = " / ".join(f"{base / r['transforms'][n]['step']['median_s']:.2f}x" for n in names[1:])
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + f" | {speed} |")
+    cells = [" / ".join(_ms(totals[n][c]) for n in names) for c in TRANSFORM_COLUMNS]
+    speed = " / ".join(f"{totals[names[0]]['step'] / totals[n]['step']:.2f}x" for n in names[1:])
+    lines.append("| **all tensors** | " + " | ".join(f"**{c}**" for c in cells) + f" | **{speed}** |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -527,6 +615,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated value formats")
+    p.add_argument("--transforms", default="dct,haar,identity",
+                   help="comma-separated tile transforms timed side by side (the first of --formats for their steps)")
     p.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement (default 1.0; 0.01 with --quick)")
     p.add_argument("--out", default=str(RESULTS), help="folder for codec.json and codec.md (codec_quick.* with --quick)")
     p.add_argument("--render-only", action="store_true", help="re-render the markdown from the JSON in --out")
@@ -539,6 +629,12 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+        args.transforms = [f.strip() for f in args.transforms.split(",") if f.strip()]
+        from demo_lightning.codec import TRANSFORMS
+
+        unknown = [name for name in args.transforms if name not in TRANSFORMS]
+        if unknown or not args.transforms:
+            p.error(f"--transforms: unknown {unknown}; choose from {', '.join(TRANSFORMS)}")
         if args.min_run_time is None:
             args.min_run_time = 0.01 if args.quick else 1.0
         device = torch.device(args.device)
@@ -549,7 +645,8 @@ def main(argv: list[str] | None = None) -> None:
             "command": " ".join(["python benchmarks/codec.py", *(sys.argv[1:] if argv is None else argv)]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": machine(device), "device": str(device), "threads": args.threads, "torch": torch.__version__,
-            "chunk": args.chunk, "topk": args.topk, "formats": args.formats, "min_run_time": args.min_run_time,
+            "chunk": args.chunk, "topk": args.topk, "formats": args.formats, "transforms": args.transforms,
+            "min_run_time": args.min_run_time,
             "quick": args.quick, "loadavg_start": loadavg(),
         }
         start = time.perf_counter()

@@ -28,6 +28,8 @@ compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps kee
 ``desloc-k16`` (dense syncs every 16 steps, moments every 48 / 96: what the period alone costs),
 ``desloc-compressed-local`` and ``-local-k8`` (moments never averaged; every 8 steps keeping 32),
 ``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions),
+``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
+``transform="identity"``: no transform, chunked top-k of the momentum itself; same bytes as ``demo``),
 ``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
 bytes per worker at 2 / 4 / 8 workers) and ``demo-shared-k48`` (the largest top-k with 100x fewer
 inter-node bytes than DDP at every world size, by ``benchmarks/scale.py``'s model).
@@ -101,6 +103,7 @@ class Method:
     optimizer: str
     lr: float
     options: dict[str, Any] = field(default_factory=dict)
+    keep_ratio: Any = None  # AdaptiveKeepRatio(keep_ratio=...) on the Trainer: "default" (its ramp), a number; None: no callback
 
 
 ADAMW_LR, DEMO_LR = 1e-3, 1e-3
@@ -163,6 +166,15 @@ for _k in (32, 64, 128):
         {"param_sync_every": _k, "compress_params": True, "selection": "lowpass", "keep_ratio": 1.0, "value_format": "sign",
          "state_sync_every": {}},
     )
+# the tile transform (issue 16): ``demo`` with Haar wavelets, and with no transform at all (chunked top-k)
+METHODS["demo-haar"] = Method(
+    "as demo, Haar wavelet tiles (coarse to fine) instead of the DCT", "demo", "sgd", DEMO_LR,
+    {**METHODS["demo"].options, "transform": "haar"},
+)
+METHODS["demo-identity"] = Method(
+    "as demo, no transform: top-k 64 of every 64x64 block of the momentum itself (SparseLoCo's chunked top-k)", "demo", "sgd",
+    DEMO_LR, {**METHODS["demo"].options, "transform": "identity"},
+)
 # selection="shared" (ScaleCom's cyclic local top-k, bf16 values all-reduced) at the bytes per worker of
 # demo-sign1bit's all-gather at 2, 4 and 8 workers (its bytes grow with W - 1, these do not): k 39, 78, 157
 for _k, _w in ((39, 2), (78, 4), (157, 8), (48, 0)):
@@ -171,9 +183,52 @@ for _k, _w in ((39, 2), (78, 4), (157, 8), (48, 0)):
         + (f"demo-sign1bit's bytes at {_w} workers" if _w else "at least 100x fewer inter-node bytes than DDP at every W (planner)")
         + ", SGD", "demo", "sgd", DEMO_LR, {"selection": "shared", "value_format": "bf16", "topk": _k},
     )
+# issue 16 item 8, "sync more later" (DeMo-adv): AdaptiveKeepRatio's default cosine ramp of the kept share,
+# 1/128 -> 1/32 of each tile (k 32 -> 128), against a constant share with the same mean (k 80: (32 + 128) / 2),
+# so the same total coefficients over the run; 1-bit values (the default), whose bytes per tile are linear in k
+METHODS["demo-keep-ramp"] = Method(
+    "DeMo 1-bit, AdaptiveKeepRatio's default ramp 1/128 -> 1/32 of each tile (cosine), SGD", "demo", "sgd", DEMO_LR,
+    {"value_format": "sign"}, keep_ratio="default",
+)
+METHODS["demo-keep-const"] = Method(
+    "DeMo 1-bit, a constant 80/4096 of each tile (the ramp's mean: equal total bytes), SGD", "demo", "sgd", DEMO_LR,
+    {"value_format": "sign"}, keep_ratio=80 / 4096,
+)
+# issue 16 item 9, the seed's local rule (seed 001): DecoupledMomentum (beta 0.9, lam 0.1) under DDP and under
+# DES-LOC (parameters every 256, its momentum_buffer every 768), a small learning-rate sweep (it is an SGD-type
+# step, so AdamW's 1e-3 does not transfer), against AdamW at the same steps (the ddp and desloc rows)
+for _lr in (0.03, 0.1, 0.3):
+    METHODS[f"ddp-decoupled-lr{_lr:g}"] = Method(f"Lightning DDP, DecoupledMomentum lr {_lr:g}", "ddp", "decoupled", _lr)
+    METHODS[f"desloc-decoupled-lr{_lr:g}"] = Method(
+        f"DES-LOC K_x 256, momentum_buffer every 768, DecoupledMomentum lr {_lr:g}", "desloc", "decoupled", _lr,
+        {"param_sync_every": 256, "state_sync_every": {"momentum_buffer": 768}},
+    )
+# issue 16 item 5, momentum compensation (seed 000 §5.1, v + lambda (g_t - g_{t-1}), meant for small batches:
+# 16 windows of 128 bytes per worker here), on the default 1-bit exchange
+for _lam in (0.1, 0.3):
+    METHODS[f"demo-compensation{_lam:g}"] = Method(
+        f"DeMo 1-bit, momentum compensation lambda {_lam:g}, SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign", "compensation": _lam},
+    )
+# issue 16's wire formats: a byte a value (float8, one fp32 scale a tile) and per-frequency mixed precision
+# (each tile's strongest quarter in fp16, the rest int8), at the default's k, and fp8 at about the default's bytes
+for _name, _fmt, _k, _what in (
+    ("demo-fp8", "fp8_e4m3", 64, "fp8 e4m3 values (one scale per tile)"),
+    ("demo-fp8-e5m2", "fp8_e5m2", 64, "fp8 e5m2 values (one scale per tile)"),
+    ("demo-mixed", "mixed", 64, "mixed values: each tile's strongest quarter in fp16, the rest int8"),
+    ("demo-fp8-k40", "fp8_e4m3", 40, "fp8 e4m3 values at about the 1-bit default's bytes per tile (104 vs 108)"),
+):
+    METHODS[_name] = Method(f"DeMo top-k {_k}/4096, {_what}, SGD", "demo", "sgd", DEMO_LR, {"value_format": _fmt, "topk": _k})
 
 
 # ---------------------------------------------------------------------------------------------- worker
+def _callbacks(method: Method) -> list[Any]:
+    if method.keep_ratio is None:
+        return []
+    from demo_lightning import AdaptiveKeepRatio
+
+    return [AdaptiveKeepRatio() if method.keep_ratio == "default" else AdaptiveKeepRatio(keep_ratio=method.keep_ratio)]
+
+
 def _strategy(method: Method, timeout: float) -> Any:
     import demo_lightning
 
@@ -303,7 +358,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=_strategy(method, args.timeout), max_steps=args.steps,
         val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
-        callbacks=[recorder], enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        callbacks=[recorder, *_callbacks(method)], enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )
     trainer.fit(model, datamodule=data)
     if not recorder.val_curve or recorder.val_curve[-1][0] != trainer.global_step:

@@ -133,6 +133,7 @@ ROWS = [
         r"transform='identity'.*selection='lowpass'", r"use selection='topk'.*keep_ratio=1\.0"),
     Row("demo-hierarchy", lambda _: DeMoStrategy(hierarchy="rack"), ValueError, r"hierarchy", r"one of \('flat', 'node'\)"),
     Row("demo-value_format", lambda _: DeMoStrategy(value_format="fp8"), ValueError, r"value_format", r"one of \('fp32'"),
+    Row("demo-compensation", lambda _: DeMoStrategy(compensation=1.5), ValueError, r"\bcompensation\b", r"\[0, 1\].*0 switches it off"),
     Row("demo-fp16_share", lambda _: DeMoStrategy(value_format="mixed", fp16_share=1.0), ValueError, r"fp16_share", r"\(0, 1\).*e\.g\. 0\.25"),
     Row("demo-update", lambda _: DeMoStrategy(update="adam"), ValueError, r"\bupdate\b", r"one of \('sign', 'raw'\)"),
     Row("demo-dense_below", lambda _: DeMoStrategy(dense_below=-1), ValueError, r"dense_below", r"non-negative integer"),

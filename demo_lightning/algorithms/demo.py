@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec
+from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec, compute_dtype
 from demo_lightning.algorithms.momentum import SpectralMomentum
 from demo_lightning.algorithms.participants import StepContext
 from demo_lightning.algorithms.stages import (
@@ -140,22 +140,29 @@ class DeMoConfig:
             keep_ratio, selection, value_format, dense_below, bucket_cap_mb).
         decay: momentum decay beta in [0, 1) (the reference's ``compression_decay``; it used 0.999).
         update: ``"sign"`` writes ``sign(Q)`` into ``p.grad`` (plain SGD); ``"raw"`` writes ``Q``.
+        compensation: the seed's momentum compensation for small batches (seed 000 §5.1,
+            ``v + lambda (g_t - g_{t-1})``), ``lambda`` in [0, 1]: each worker feeds its momentum
+            ``g_t + lambda (g_t - g_{t-1})`` instead of ``g_t`` (the first step, and a tensor with no
+            previous gradient, ``g_t`` alone). ``0`` (the default) is DeMo as published. Memory: one
+            copy of every exchanged tensor's last gradient (its compute dtype) per worker, saved in
+            the exchange's state (checkpoints), so a resume continues bitwise.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
     decay: float = 0.99
     update: Update = "sign"
+    compensation: float = 0.0
 
     @classmethod
     def of(cls, **settings: Any) -> "DeMoConfig":
         """Build from flat settings: :class:`CodecConfig`'s fields go to ``codec``, the rest
-        (``decay``, ``update``) to the exchange; e.g. ``DeMoConfig.of(topk=32, decay=0.999)``."""
+        (``decay``, ``update``, ``compensation``) to the exchange; e.g. ``DeMoConfig.of(topk=32, decay=0.999)``."""
         names = {f.name for f in fields(CodecConfig)}
         codec = {k: v for k, v in settings.items() if k in names}
         own = {k: v for k, v in settings.items() if k not in names}
         unknown = sorted(set(own) - {f.name for f in fields(cls)} - {"codec"})
         if unknown:
-            raise TypeError(f"unknown DeMo setting(s) {unknown}; the codec takes {sorted(names)}, the exchange decay and update")
+            raise TypeError(f"unknown DeMo setting(s) {unknown}; the codec takes {sorted(names)}, the exchange decay, update and compensation")
         return cls(codec=CodecConfig(**codec), **own)
 
     def __post_init__(self) -> None:
@@ -163,6 +170,8 @@ class DeMoConfig:
             raise ValueError(f"codec must be a CodecConfig, got {type(self.codec).__name__}; e.g. DeMoConfig(CodecConfig(topk=32))")
         _check_decay(self.decay)
         check_choice("update", self.update, UPDATES)
+        check_number("compensation", self.compensation, 0.0, 1.0,
+                     hint="the seed's lambda in v + lambda (g_t - g_{t-1}), for small batches; 0 switches it off")
 
 
 def _check_decay(decay: Any) -> None:
@@ -321,6 +330,7 @@ class DeMoExchange:
         self._owners: list[int] = []
         self._exchanges_done = 0  # exchanges run so far (the same on every rank): picks selection="shared"'s leader
         self._momentum = SpectralMomentum()
+        self._previous: dict[Tensor, Tensor] = {}  # compensation > 0: each exchanged tensor's last gradient
         self._settings: dict[Tensor, TensorSettings] = {}
         self._want_energy = False
         self._want_curve = False
@@ -405,12 +415,31 @@ class DeMoExchange:
             return {}
         return dict(zip(self._momentum.params, self._momentum.views()))
 
+    def _compensated(self, p: Tensor) -> Optional[Tensor]:
+        """``g + lambda (g - g_prev)`` for the momentum (``g`` alone without a previous gradient), and
+        ``g`` kept as the next step's ``g_prev`` (see ``DeMoConfig.compensation``)."""
+        g = p.grad
+        if g is None:
+            return None
+        current = g.detach().to(compute_dtype(g.dtype))
+        previous = self._previous.get(p)
+        if previous is None or previous.shape != current.shape:
+            self._previous[p] = current.clone()
+            return g
+        out = torch.add(current, current - previous, alpha=self.config.compensation)
+        previous.copy_(current)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """This worker's exchange state: ``{"momentum": {"version": 2, "momenta": {index: ...}},
         "exchanges": n}`` by parameter index (the optimizer ``state_dict`` numbering), copied;
-        ``exchanges`` counts the exchanges run (it picks ``selection="shared"``'s leader)."""
+        ``exchanges`` counts the exchanges run (it picks ``selection="shared"``'s leader); with
+        ``compensation`` also ``"previous_gradients": {index: tensor}``."""
         index_of = {p: i for i, p in enumerate(self._all_parameters())}
-        return {"momentum": self._momentum.state_dict(index_of), "exchanges": self._exchanges_done}
+        state: dict[str, Any] = {"momentum": self._momentum.state_dict(index_of), "exchanges": self._exchanges_done}
+        if self._previous:
+            state["previous_gradients"] = {index_of[p]: g.clone() for p, g in self._previous.items() if p in index_of}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Install state saved by :meth:`state_dict` (same model: shapes are checked). Also takes the
@@ -421,13 +450,21 @@ class DeMoExchange:
         if "momentum" in state:
             self._momentum.load_state_dict(state["momentum"], params)
             self._exchanges_done = int(state.get("exchanges", 0))
+            self._previous = {}
+            for index, g in dict(state.get("previous_gradients") or {}).items():
+                p = params[int(index)]
+                if tuple(g.shape) != tuple(p.shape):
+                    raise ValueError(f"saved previous gradient for parameter {index} has shape {tuple(g.shape)} for a "
+                                     f"parameter of shape {tuple(p.shape)}: the checkpoint comes from a different model")
+                self._previous[p] = g.detach().to(dtype=compute_dtype(p.dtype), device=p.device).clone()
         else:
             self._momentum.load_dense(state, params)  # type: ignore[arg-type]
         self._plan_key = None  # adopt the loaded momenta at the next step
 
     def clear_state(self) -> None:
-        """Drop every local momentum (they restart from zero)."""
+        """Drop every local momentum (they restart from zero) and the compensation's previous gradients."""
         self._momentum.clear()
+        self._previous = {}
 
     def _migrate_optimizer_state(self) -> None:
         """Momenta of layout version 1 found in ``optimizer.state`` (an optimizer ``state_dict``
@@ -584,7 +621,7 @@ class DeMoExchange:
         codec = self.config.codec
         momentum = self._momentum
         decays = [self.decay_of(p) for p in params]
-        grads = [p.grad for p in params]
+        grads = [self._compensated(p) for p in params] if self.config.compensation > 0 else [p.grad for p in params]
         with stage_range(DEMO.encode):
             # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
             dense_totals = []

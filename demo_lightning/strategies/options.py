@@ -113,6 +113,9 @@ class DeMoOptions(_Options):
             in (0, 1).
         update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``) or ``"raw"``
             (the shared direction as the gradient, for any optimizer such as AdamW).
+        compensation: momentum compensation ``lambda`` in [0, 1] (seed 000 §5.1, for small batches):
+            each worker's momentum takes ``g_t + lambda (g_t - g_{t-1})``; costs one copy of the
+            exchanged tensors' last gradient per worker (in checkpoints); ``0``: off.
         dense_below: tensors with fewer elements are all-reduced densely in fp32 (0: compress all).
         bucket_cap_mb: largest payload per collective in megabytes.
         param_sync_every: DES-LOC parameter re-sync period in optimizer steps (``None``: off).
@@ -154,6 +157,7 @@ class DeMoOptions(_Options):
         value_format: ValueFormat = "sign",
         fp16_share: float = 0.25,
         update: Update = "sign",
+        compensation: float = 0.0,
         dense_below: int = 4096,
         bucket_cap_mb: float = 25.0,
         param_sync_every: Optional[int] = None,
@@ -171,7 +175,7 @@ class DeMoOptions(_Options):
     ) -> None:
         demo = DeMoConfig.of(
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection, transform=transform,
-            value_format=value_format, fp16_share=fp16_share, update=update, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
+            value_format=value_format, fp16_share=fp16_share, update=update, compensation=compensation, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every,
