@@ -21,6 +21,10 @@ GEMMs with another orthonormal matrix) or ``"identity"`` (no transform: the mome
 and error-fed as it is, SparseLoCo's chunked top-k; no GEMM runs). Every step above is the same for
 all three.
 
+Momentum compensation (``DeMoConfig.compensation = lambda``, seed 000 §5.1, for small batches):
+``g`` above is replaced by ``g_t + lambda (g_t - g_{t-1})`` (``g_1`` at the first step), each worker
+keeping its last gradients (in :meth:`DeMoExchange.state_dict`).
+
 Tensors with fewer than ``dense_below`` elements skip the codec: their whole momentum is summed
 by an all-reduce in the compute dtype (fp32 for half-precision parameters), divided by W, and
 their residual is cleared (everything was sent).
