@@ -197,7 +197,7 @@ METHODS["demo-keep-const"] = Method(
 # issue 16 item 9, the seed's local rule (seed 001): DecoupledMomentum (beta 0.9, lam 0.1) under DDP and under
 # DES-LOC (parameters every 256, its momentum_buffer every 768), a small learning-rate sweep (it is an SGD-type
 # step, so AdamW's 1e-3 does not transfer), against AdamW at the same steps (the ddp and desloc rows)
-for _lr in (0.03, 0.1, 0.3):
+for _lr in (0.01, 0.03, 0.1, 0.3):
     METHODS[f"ddp-decoupled-lr{_lr:g}"] = Method(f"Lightning DDP, DecoupledMomentum lr {_lr:g}", "ddp", "decoupled", _lr)
     METHODS[f"desloc-decoupled-lr{_lr:g}"] = Method(
         f"DES-LOC K_x 256, momentum_buffer every 768, DecoupledMomentum lr {_lr:g}", "desloc", "decoupled", _lr,
