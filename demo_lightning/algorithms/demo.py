@@ -512,9 +512,9 @@ class DeMoExchange:
         """
         self.comm.check_same(
             [len(self.parameters()), self.plan_digest()], "demo/plan",
-            "the codec's settings (give every rank the same strategy arguments: chunk, topk / keep_ratio, selection, "
-            "value_format, transform, ...), the list of tensors to exchange (count, shapes, dtypes) or their per-tensor "
-            "codec settings (topk, keep_ratio, chunk, dense: set the same TensorSettings on every rank at the same step)",
+            "the list of tensors to exchange (count, shapes, dtypes), their per-tensor codec settings (topk, keep_ratio, "
+            "chunk, dense: set the same TensorSettings on every rank at the same step) or the codec's settings (give every "
+            "rank the same strategy arguments: chunk, topk / keep_ratio, selection, value_format, transform, ...)",
         )
 
     def _prepare(self, params: list[Tensor]) -> tuple[ExchangePlan, Workspace]:
