@@ -42,7 +42,7 @@ from demo_lightning.profiling import SinkHandle, add_sink, lightning_sink
 from demo_lightning.strategies.front import CommunicationFront
 from demo_lightning.strategies.options import HIERARCHIES, Hierarchy, StartMethod, as_timedelta  # noqa: F401  (also importable from here)
 from demo_lightning.strategies.runtime import CHECKPOINT_KEY, record_of, strip_record
-from demo_lightning.strategies.shards import SHARDS_LAYOUT, remove_shard, shard_dir
+from demo_lightning.strategies.shards import SHARDS_LAYOUT, remove_shard, shard_dir_name
 
 __all__ = ["CommunicationStrategy", "as_timedelta", "name_shards"]
 
@@ -58,7 +58,7 @@ def _stamp(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
 def name_shards(states: list[Any], entries: list[Optional[dict[str, Any]]], filepath: _PATH) -> list[Any]:
     """The optimizer entries of the main file, each with a shard entry naming the shard directory."""
-    name = os.path.basename(shard_dir(filepath))
+    name = shard_dir_name(filepath)
     named = [{**s, CHECKPOINT_KEY: {**s[CHECKPOINT_KEY], "shards": name}} if e is not None else s for s, e in zip(states, entries)]
     return named + states[len(named):]
 

@@ -36,7 +36,6 @@ optimizers.
 
 from __future__ import annotations
 
-import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, Union
 
@@ -55,7 +54,7 @@ from typing_extensions import override
 from demo_lightning.strategies.front import CommunicationFront
 from demo_lightning.strategies.options import DeMoOptions, DesLocOptions
 from demo_lightning.strategies.runtime import CHECKPOINT_KEY, record_of, strip_record
-from demo_lightning.strategies.shards import SHARDS_LAYOUT, shard_dir
+from demo_lightning.strategies.shards import SHARDS_LAYOUT, shard_dir_name
 
 __all__ = ["DeMoFabricStrategy", "DesLocFabricStrategy", "FabricCommunicationStrategy"]
 
@@ -228,7 +227,7 @@ class FabricCommunicationStrategy(CommunicationFront, DDPStrategy):
         if keys:
             self._saves += 1
             stamp = {"optimizer_step": self.runtime.steps, "save": self._saves}
-            name = os.path.basename(shard_dir(path))
+            name = shard_dir_name(path)
             for entry, key in enumerate(keys):
                 converted[key] = {**converted[key], CHECKPOINT_KEY: {**converted[key][CHECKPOINT_KEY], "shards": name, "entry": entry, "stamp": stamp}}
             self.runtime.write_shard(path, [self.runtime.local_state(state[k]) for k in keys], stamp)  # type: ignore[arg-type]

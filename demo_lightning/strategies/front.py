@@ -75,15 +75,6 @@ class CommunicationFront:
                 "'32-true'."
             )
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for attributes that do not exist: a base built without the options' __init__
-        if name == "runtime":
-            raise AttributeError(
-                f"{type(self).__name__} has no runtime: it is the base of the strategies, not one itself; construct "
-                "DeMoStrategy / DesLocStrategy (Trainer) or DeMoFabricStrategy / DesLocFabricStrategy (Fabric)"
-            )
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     # ------------------------------------------------------------------ the runtime's state
     @property
     def demo_config(self) -> Optional[DeMoConfig]:

@@ -50,6 +50,7 @@ __all__ = [
     "ShardReader",
     "remove_shard",
     "shard_dir",
+    "shard_dir_name",
     "shard_path",
     "write_shard",
 ]
@@ -72,6 +73,11 @@ class CheckpointShardError(RuntimeError):
 def shard_dir(checkpoint_path: _PATH) -> str:
     """``<checkpoint_path>.shards``: the directory holding every rank's shard of that checkpoint."""
     return f"{os.fspath(checkpoint_path)}{SHARD_SUFFIX}"
+
+
+def shard_dir_name(checkpoint_path: _PATH) -> str:
+    """The shard directory's own name (what the main file records), ``<name of the checkpoint>.shards``."""
+    return os.path.basename(shard_dir(checkpoint_path))
 
 
 def shard_path(checkpoint_path: _PATH, rank: int) -> str:
@@ -138,7 +144,7 @@ def remove_shard(checkpoint_path: _PATH, rank: int) -> None:
 
 
 def _fix(checkpoint_path: str, recorded: Optional[str]) -> str:
-    here = os.path.basename(shard_dir(checkpoint_path))
+    here = shard_dir_name(checkpoint_path)
     saved = f"{recorded!r} (its name when saved)" if recorded and recorded != here else repr(here)
     return (
         f"copy the checkpoint's shard directory {saved} next to {checkpoint_path!r} as {here!r}, with every rank's "
