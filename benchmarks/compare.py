@@ -220,6 +220,18 @@ for _name, _fmt, _k, _what in (
     METHODS[_name] = Method(f"DeMo top-k {_k}/4096, {_what}, SGD", "demo", "sgd", DEMO_LR, {"value_format": _fmt, "topk": _k})
 
 
+# issue 16 item 4, position groups (seed 000 §7, "layers share base frequencies"): the same projection of the two
+# blocks chooses its positions once from the summed energy and sends them once; at the default's k (fewer bytes),
+# and at the k that spends about the default's bytes (108: 60 tiles carry positions, 48 send values only)
+METHODS["demo-groups2"] = Method(
+    "DeMo 1-bit, top-k 64, positions shared by each projection across the 2 blocks, SGD", "demo", "sgd", DEMO_LR,
+    {"value_format": "sign", "position_group_size": 2},
+)
+METHODS["demo-groups2-k108"] = Method(
+    "DeMo 1-bit, top-k 108, positions shared across the 2 blocks (about the default's bytes), SGD", "demo", "sgd", DEMO_LR,
+    {"value_format": "sign", "position_group_size": 2, "topk": 108},
+)
+
 # ---------------------------------------------------------------------------------------------- worker
 def _callbacks(method: Method) -> list[Any]:
     if method.keep_ratio is None:

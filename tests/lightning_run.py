@@ -28,6 +28,17 @@ from demo_lightning.models import GPTLightningModule
 from dist_helpers import tensor_hash
 
 
+def _position_groups(trainer: pl.Trainer, model: torch.nn.Module) -> dict[str, Any]:
+    exchanges = getattr(trainer.strategy, "exchanges", [])
+    plan = exchanges[0]._momentum.plan if exchanges else None
+    if plan is None:
+        return {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = exchanges[0].parameters()
+    shared = [(names[id(params[t.position])], names[id(params[t.shares_with.position])]) for t in plan.tensors if t.shares_with is not None]
+    return {"shared": shared, "payload": sum(run.nbytes for bucket in plan.buckets for run in bucket)}
+
+
 class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.param_hashes: list[list[str]] = []
@@ -184,6 +195,8 @@ def main() -> None:
             if isinstance(value, torch.Tensor)
         },
         "syncs": [dict(a.stats.syncs) for a in getattr(trainer.strategy, "averagers", [])],
+        # position groups: (member, the member whose positions it uses) by parameter name, and the wire bytes per step
+        "position_groups": _position_groups(trainer, model),
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
     finished["rank"] = trainer.global_rank

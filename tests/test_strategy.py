@@ -147,9 +147,17 @@ def test_two_process_fit_replicas_identical_every_step_momenta_differ(tmp_path: 
         assert json.loads((tmp_path / f"rank{rank}.exit").read_text()) == {"process_group_alive": False}
 
 
-def test_two_process_bf16_mixed_fit_keeps_replicas_identical(tmp_path: Path) -> None:
-    ranks = _fit(tmp_path, "--precision", "bf16-mixed", "--strategy-json", json.dumps({"value_format": "int8"}))
+def test_two_process_bf16_mixed_fit_with_position_groups_keeps_replicas_identical(tmp_path: Path) -> None:
+    """bf16-mixed, int8 values and position groups of 2: the strategy names the tensors from the module, so
+    each group is one projection of the two blocks, and the ledger's bytes are the plan's (followers send values)."""
+    ranks = _fit(tmp_path, "--precision", "bf16-mixed", "--strategy-json", json.dumps({"value_format": "int8", "position_group_size": 2}))
     assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
+    groups = ranks[0]["position_groups"]
+    assert groups["shared"] and all(a.replace(".1.", ".0.") == b for a, b in groups["shared"]), groups["shared"]
+    assert len(groups["shared"]) == 4  # qkv, proj, fc, fc_out of block 1 use block 0's positions
+    dense = sum(t.numel() for t in ranks[0]["params"].values() if t.numel() < 100)  # dense_below=100: the norms
+    # W = 2: the ring all-gather sends the payload once, the ring all-reduce of the fp32 dense tensors 4 bytes each, the guard 9
+    assert ranks[0]["comm"][-1]["comm/bytes_sent_per_step"] == pytest.approx(groups["payload"] + 4 * dense + 9)
 
 
 @pytest.mark.slow  # superseded in CI by tests/test_resume.py (demo, desloc, combination; exception and kill)

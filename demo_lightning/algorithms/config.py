@@ -63,6 +63,13 @@ class CodecConfig:
             (no transform, SparseLoCo's chunked top-k: the momentum is stored and selected as it is; no
             GEMM). ``"lowpass"`` keeps the coarsest Haar scales first; under ``"identity"`` it has no
             meaning and is refused unless every coefficient is kept.
+        position_group_size: with ``"topk"``: tensors of the same shape and settings share their
+            positions in groups of this many (seed 000 §7, "every 10 layers share base frequencies"):
+            in plan order, the compressed tensors of one shape (e.g. the same projection in
+            consecutive blocks) are cut into groups of ``position_group_size``; per tile index each
+            group keeps the ``k`` positions of largest summed energy ``sum_m |K_m|^2`` over its members
+            and sends them once, in its first member's segment; every member sends its own values
+            there. ``1`` (the default): every tensor picks and sends its own.
     """
 
     chunk: int = 64
@@ -74,6 +81,7 @@ class CodecConfig:
     bucket_cap_mb: float = 25.0
     fp16_share: float = DEFAULT_HEAD_SHARE
     transform: Transform = "dct"
+    position_group_size: int = 1
 
     def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, "tile side; the paper uses 64")
@@ -96,6 +104,13 @@ class CodecConfig:
         check_number("fp16_share", self.fp16_share, 0.0, 1.0, low_open=True, high_open=True,
                      hint="the share of each tile's kept values sent in fp16 under value_format='mixed'; e.g. 0.25")
         check_int("dense_below", self.dense_below, 0, "element count")
+        check_int("position_group_size", self.position_group_size, 1, "tensors of one shape that share their positions; 1: off")
+        if self.position_group_size > 1 and self.selection != "topk":
+            raise ValueError(
+                f"position_group_size={self.position_group_size} shares top-k positions between tensors, but "
+                f"selection={self.selection!r} sends no positions of its own ('lowpass': fixed, 'shared': one worker's "
+                "for everybody): use selection='topk', or position_group_size=1"
+            )
         check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per collective")
 
     @property

@@ -25,6 +25,15 @@ Momentum compensation (``DeMoConfig.compensation = lambda``, seed 000 §5.1, for
 ``g`` above is replaced by ``g_t + lambda (g_t - g_{t-1})`` (``g_1`` at the first step), each worker
 keeping its last gradients (in :meth:`DeMoExchange.state_dict`).
 
+Position groups (``CodecConfig.position_group_size = G > 1``, seed 000 §7, top-k only): the
+compressed tensors of one shape and role (:meth:`DeMoExchange.set_parameter_names`; the strategies
+name them from the module, so ``blocks.0.fc.weight`` groups with ``blocks.1.fc.weight``) are cut, in
+order, into groups of ``G``; per tile index each worker selects ``I = topk(sum_m |M_m|^2, k)`` over
+its group's members ``m`` and every member sends its values at ``I``; the positions go on the wire
+once per group (in its first member's segment), so ``G - 1`` of every ``G`` members send values only.
+Error feedback, the mean and the decode are unchanged. :meth:`DeMoExchange.payload_bytes` is the
+per-tensor figure without groups (an upper bound); the ledger counts what is sent.
+
 Tensors with fewer than ``dense_below`` elements skip the codec: their whole momentum is summed
 by an all-reduce in the compute dtype (fp32 for half-precision parameters), divided by W, and
 their residual is cleared (everything was sent).
@@ -100,6 +109,7 @@ from demo_lightning.algorithms.stages import (
     TensorPlan,
     Workspace,
     accumulate,
+    block_role,
     broadcast_positions,
     build_plan,
     inverse,
@@ -336,6 +346,7 @@ class DeMoExchange:
         self._momentum = SpectralMomentum()
         self._previous: dict[Tensor, Tensor] = {}  # compensation > 0: each exchanged tensor's last gradient
         self._settings: dict[Tensor, TensorSettings] = {}
+        self._roles: dict[Tensor, str] = {}  # position groups: each named parameter's block_role
         self._want_energy = False
         self._want_curve = False
         self._digest_key: Optional[tuple] = None
@@ -363,6 +374,15 @@ class DeMoExchange:
         else:
             self._settings[param] = settings
 
+    def set_parameter_names(self, names: Mapping[Tensor, str]) -> None:
+        """Name the parameters (``{parameter: qualified name}``, e.g. from ``module.named_parameters()``),
+        so position groups (``position_group_size > 1``) join only the tensors of one role across
+        blocks (:func:`~demo_lightning.algorithms.stages.block_role`: ``blocks.3.mlp.fc.weight`` with
+        ``blocks.4.mlp.fc.weight``) and not, say, a position embedding with an attention projection
+        of the same shape. Unnamed parameters group by shape alone. Every rank must give the same
+        names (they are part of :meth:`plan_digest`); the strategies pass the module's."""
+        self._roles = {p: block_role(str(n)) for p, n in names.items()}
+
     def tensor_settings(self, param: Tensor) -> TensorSettings:
         """The settings ``param`` departs from the config with (all ``None`` when it does not)."""
         return self._settings.get(param, _INHERIT)
@@ -374,7 +394,8 @@ class DeMoExchange:
 
     def payload_bytes(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
         """Bytes this worker puts on the wire for ``param`` per exchange, under ``settings``
-        (default: its current ones)."""
+        (default: its current ones), as if it sent its own positions: with position groups an upper
+        bound (a group's later members send values only; the ledger counts the bytes sent)."""
         own = settings if settings is not None else self.tensor_settings(param)
         return self.config.codec.payload_bytes(tuple(param.shape), own.codec)
 
@@ -495,9 +516,9 @@ class DeMoExchange:
         shapes, dtypes) and their per-tensor codec settings. Local (no communication); recomputed only
         when they change. Equal on every rank is what :meth:`check_plan` checks."""
         params = self.parameters()
-        key = tuple((tuple(p.shape), p.dtype, self._settings[p].codec if p in self._settings else None) for p in params)
+        key = tuple((tuple(p.shape), p.dtype, self._settings[p].codec if p in self._settings else None, self._role(p)) for p in params)
         if key != self._digest_key:
-            text = repr([repr(self.config.codec)] + [(shape, str(dtype), repr(codec)) for shape, dtype, codec in key]).encode()
+            text = repr([repr(self.config.codec)] + [(shape, str(dtype), repr(codec), role) for shape, dtype, codec, role in key]).encode()
             self._digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
             self._digest_key = key
         return self._digest
@@ -521,15 +542,20 @@ class DeMoExchange:
         """The plan for the current tensors and settings; on a change the momenta are re-laid out
         (re-tiled where the tiling changed) identically on every rank (the plan is agreed)."""
         overrides = [self._settings[p].codec if p in self._settings else None for p in params]
-        key = tuple((id(p), tuple(p.shape), p.dtype, p.device, o) for p, o in zip(params, overrides))
+        roles = [self._role(p) for p in params]
+        key = tuple((id(p), tuple(p.shape), p.dtype, p.device, o, r) for p, o, r in zip(params, overrides, roles))
         plan = self._momentum.plan
         if plan is None or key != self._plan_key:
-            plan = build_plan(self.config.codec, params, overrides)
+            plan = build_plan(self.config.codec, params, overrides, roles)
             self._plan_key = key
             self._workspace = Workspace(plan)
             self._momentum.adopt(plan, params)
         assert self._workspace is not None
         return plan, self._workspace
+
+    def _role(self, param: Tensor) -> Optional[str]:
+        """What position groups match besides the shape (``None`` without groups or a name)."""
+        return self._roles.get(param) if self.config.codec.position_group_size > 1 else None
 
     # ------------------------------------------------------------------ node hierarchy
     def owners(self, params: Optional[list[Tensor]] = None) -> list[int]:

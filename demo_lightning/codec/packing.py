@@ -52,7 +52,9 @@ decode to non-finite values (the non-finite guard keeps them from being exchange
 :func:`pack_segments` / :func:`unpack_segments` pack many segments (one per tensor) that share
 ``k``, tile size and format in a fixed number of tensor operations, byte for byte equal to
 concatenating :func:`pack_segment` per segment: each segment's bit fields still start on a byte
-boundary, so every tensor's bytes stay what :func:`segment_nbytes` says.
+boundary, so every tensor's bytes stay what :func:`segment_nbytes` says. A segment may leave its
+positions out (``with_positions`` / ``positioned`` per segment): tensors of a position group send
+their shared positions once, in the group's first segment, and only values in the others.
 """
 
 from __future__ import annotations
@@ -357,13 +359,23 @@ def _unpack_bit_fields(packed: Tensor, bits: int, counts: tuple[int, ...]) -> Te
     return (stream.view(-1, bits) * weights).sum(dim=1)
 
 
+def _position_flags(counts: tuple[int, ...], with_positions: bool | Sequence[bool]) -> tuple[bool, ...]:
+    """One flag per segment: whether it carries its positions (a bool applies to every segment)."""
+    if isinstance(with_positions, bool):
+        return (with_positions,) * len(counts)
+    flags = tuple(bool(f) for f in with_positions)
+    if len(flags) != len(counts):
+        raise ValueError(f"got {len(flags)} position flags for {len(counts)} segments; give one per segment")
+    return flags
+
+
 def _field_sizes(
-    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool, head_share: float
+    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, flags: tuple[bool, ...], head_share: float
 ) -> list[list[int]]:
     """Per field (positions, scales, values, ...) in wire order, the bytes each segment gives it."""
     fields = []
-    if with_positions:
-        fields.append([math.ceil(t * k * index_bits(tile_numel) / 8) for t in tiles])
+    if any(flags):
+        fields.append([math.ceil(t * k * index_bits(tile_numel) / 8) if f else 0 for t, f in zip(tiles, flags)])
     per_segment = [_value_field_sizes(t, k, value_format, head_share) for t in tiles]
     fields.extend([sizes[f] for sizes in per_segment] for f in range(len(per_segment[0])))
     return fields
@@ -371,14 +383,14 @@ def _field_sizes(
 
 @functools.lru_cache(maxsize=256)
 def _interleave_index(
-    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, with_positions: bool, device: torch.device,
+    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, flags: tuple[bool, ...], device: torch.device,
     head_share: float = DEFAULT_HEAD_SHARE,
 ) -> Tensor | None:
     """Index that turns field-major bytes (every segment's positions, then every scale, ...) into
     segment-major wire order (segment 0's fields, then segment 1's, ...); ``None`` for one segment."""
     if len(tiles) == 1:
         return None
-    fields = _field_sizes(tiles, k, tile_numel, value_format, with_positions, head_share)
+    fields = _field_sizes(tiles, k, tile_numel, value_format, flags, head_share)
     starts, base = [], 0
     for sizes in fields:
         starts.append([base + sum(sizes[:i]) for i in range(len(tiles))])
@@ -389,49 +401,61 @@ def _interleave_index(
 
 def pack_segments(
     positions: Tensor | None, values: Tensor, tiles: Sequence[int], tile_numel: int, value_format: ValueFormat,
-    head_share: float = DEFAULT_HEAD_SHARE,
+    head_share: float = DEFAULT_HEAD_SHARE, positioned: Sequence[bool] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pack consecutive segments of ``tiles[i]`` rows each, as :func:`pack_segment` would one by one.
 
-    ``positions`` / ``values`` are ``(sum(tiles), k)``. The buffer equals
-    ``cat([pack_segment(rows of segment i) for i])`` byte for byte, in a number of tensor
-    operations that does not grow with the number of segments. Returns ``(buffer, decoded)``.
+    ``values`` are ``(sum(tiles), k)``; ``positions`` the same rows, or (``positioned`` given: one
+    flag per segment) only the rows of the segments whose flag is set, which alone carry positions.
+    The buffer equals ``cat([pack_segment(rows of segment i) for i])`` byte for byte, in a number of
+    tensor operations that does not grow with the number of segments. Returns ``(buffer, decoded)``.
     """
     counts = tuple(int(t) for t in tiles)
     if sum(counts) != values.shape[0]:
         raise ValueError(f"segments cover {sum(counts)} tiles, values have {values.shape[0]} rows")
+    flags = _position_flags(counts, positions is not None if positioned is None else positioned)
+    if any(flags) and positions is None:
+        raise ValueError("positioned marks segments that carry positions, but no positions were given")
     k = values.shape[1]
     per_segment = tuple(t * k for t in counts)
     parts, decoded = _encode_values(values, value_format, per_segment, head_share)
-    if positions is not None:
-        parts.insert(0, _pack_bit_fields(positions, index_bits(tile_numel), per_segment))
+    if any(flags):
+        carried = tuple(n for n, f in zip(per_segment, flags) if f)
+        assert positions is not None
+        if positions.numel() != sum(carried):
+            raise ValueError(f"positions hold {positions.numel()} entries, the segments that carry them {sum(carried)}")
+        parts.insert(0, _pack_bit_fields(positions, index_bits(tile_numel), carried))
     buf = torch.cat(parts) if len(parts) > 1 else parts[0]
-    interleave = _interleave_index(counts, k, tile_numel, value_format, positions is not None, buf.device, head_share)
+    interleave = _interleave_index(counts, k, tile_numel, value_format, flags, buf.device, head_share)
     return (buf if interleave is None else buf[interleave]), decoded
 
 
 def unpack_segments(
-    buf: Tensor, tiles: Sequence[int], k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool,
+    buf: Tensor, tiles: Sequence[int], k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool | Sequence[bool],
     head_share: float = DEFAULT_HEAD_SHARE,
 ) -> tuple[Tensor | None, Tensor]:
-    """Inverse of :func:`pack_segments`: ``(positions or None, values as fp32)``, both ``(sum(tiles), k)``."""
+    """Inverse of :func:`pack_segments`: ``(positions or None, values as fp32)``; values are
+    ``(sum(tiles), k)``, positions the rows of the segments that carry them (``with_positions``: a
+    bool for every segment, or one flag per segment)."""
     _check_format(value_format)
     counts = tuple(int(t) for t in tiles)
+    flags = _position_flags(counts, with_positions)
     n_tiles = sum(counts)
-    expected = sum(segment_nbytes(t, k, tile_numel, value_format, with_positions, head_share) for t in counts)
+    expected = sum(segment_nbytes(t, k, tile_numel, value_format, f, head_share) for t, f in zip(counts, flags))
     if buf.numel() != expected:
         raise ValueError(f"segment{'s' if len(counts) > 1 else ''} of {counts} tiles x {k} hold {buf.numel()} bytes, expected {expected}")
-    order = _interleave_index(counts, k, tile_numel, value_format, with_positions, buf.device, head_share)
+    order = _interleave_index(counts, k, tile_numel, value_format, flags, buf.device, head_share)
     if order is not None:
         fields = torch.empty_like(buf)
         fields[order] = buf
         buf = fields
-    sizes = [sum(f) for f in _field_sizes(counts, k, tile_numel, value_format, with_positions, head_share)]
+    sizes = [sum(f) for f in _field_sizes(counts, k, tile_numel, value_format, flags, head_share)]
     chunks = list(torch.split(buf, sizes))
     positions = None
     per_segment = tuple(t * k for t in counts)
-    if with_positions:
-        positions = _unpack_bit_fields(chunks.pop(0), index_bits(tile_numel), per_segment).view(n_tiles, k)
+    if any(flags):
+        carried = tuple(n for n, f in zip(per_segment, flags) if f)
+        positions = _unpack_bit_fields(chunks.pop(0), index_bits(tile_numel), carried).view(-1, k)
     if value_format in _FLOAT_FORMATS:
         return positions, _from_bytes(chunks[0], _FLOAT_FORMATS[value_format]).to(torch.float32).view(n_tiles, k)
     if value_format in _SCALED_FORMATS:

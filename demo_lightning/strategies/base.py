@@ -161,7 +161,8 @@ class CommunicationStrategy(CommunicationFront, DDPStrategy):
         assert self.model is not None
         for position, optimizer in enumerate(map(_unwrap, self.optimizers)):
             buffers = list(self.model.buffers()) if position == 0 else []
-            self.runtime.attach(optimizer, buffers, type(self).__name__, before_update=self._clip_local_gradients)
+            self.runtime.attach(optimizer, buffers, type(self).__name__, before_update=self._clip_local_gradients,
+                                names={p: n for n, p in self.model.named_parameters()})
 
     @override
     def on_train_end(self) -> None:

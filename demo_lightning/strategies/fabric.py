@@ -122,7 +122,8 @@ class FabricCommunicationStrategy(CommunicationFront, DDPStrategy):
         belong to no set-up module gets no buffers (warned under DES-LOC with ``sync_buffers``): set
         the module up first (``fabric.setup(model, optimizer)`` does).
         """
-        self.runtime.attach(optimizer, self._buffers_for(optimizer), type(self).__name__)
+        self.runtime.attach(optimizer, self._buffers_for(optimizer), type(self).__name__,
+                            names={p: n for m in self._modules for n, p in m.named_parameters()})
         return optimizer
 
     def _buffers_for(self, optimizer: Optimizer) -> list[Tensor]:

@@ -111,6 +111,10 @@ class DeMoOptions(_Options):
             ``fp16_share`` of each tile's values in fp16, the rest in int8), ``"sign"`` (a bit a value).
         fp16_share: with ``value_format="mixed"``: the share of each tile's kept values sent in fp16,
             in (0, 1).
+        position_group_size: with ``selection="topk"``: tensors of the same shape (the same projection
+            in consecutive blocks) share their positions in groups of this many, chosen per tile from
+            the group's summed energy and sent once per group; each tensor still sends its own values
+            (seed 000 §7). ``1``: every tensor sends its own positions.
         update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``) or ``"raw"``
             (the shared direction as the gradient, for any optimizer such as AdamW).
         compensation: momentum compensation ``lambda`` in [0, 1] (seed 000 §5.1, for small batches):
@@ -156,6 +160,7 @@ class DeMoOptions(_Options):
         transform: Transform = "dct",
         value_format: ValueFormat = "sign",
         fp16_share: float = 0.25,
+        position_group_size: int = 1,
         update: Update = "sign",
         compensation: float = 0.0,
         dense_below: int = 4096,
@@ -175,7 +180,7 @@ class DeMoOptions(_Options):
     ) -> None:
         demo = DeMoConfig.of(
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection, transform=transform,
-            value_format=value_format, fp16_share=fp16_share, update=update, compensation=compensation, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
+            value_format=value_format, fp16_share=fp16_share, position_group_size=position_group_size, update=update, compensation=compensation, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every,

@@ -214,9 +214,11 @@ class CommunicationRuntime:
         return self._averagers.get(id(optimizer))
 
     def attach(self, optimizer: Optimizer, buffers: list[Tensor], owner: str,
-               before_update: Optional[Callable[[Optimizer], None]] = None) -> None:
+               before_update: Optional[Callable[[Optimizer], None]] = None,
+               names: Optional[Mapping[Tensor, str]] = None) -> None:
         """Drive ``optimizer``: a DeMo exchange and/or a DES-LOC averager (averaging ``buffers`` with
-        the parameters), and their step participants.
+        the parameters), and their step participants. ``names``: the parameters' qualified names
+        (position groups join the same role across blocks, :meth:`DeMoExchange.set_parameter_names`).
 
         ``before_update`` runs on this worker's own gradients before the exchange (under DeMo only).
 
@@ -240,7 +242,9 @@ class CommunicationRuntime:
                 message = warn_if_stateful(optimizer)
                 if message:
                     rank_zero_warn(message)
-            self._exchanges[id(optimizer)] = DeMoExchange(optimizer, self.demo_config, self.communicator, self.node_groups)
+            exchange = self._exchanges[id(optimizer)] = DeMoExchange(optimizer, self.demo_config, self.communicator, self.node_groups)
+            if names:
+                exchange.set_parameter_names(names)
         if self.desloc_config is not None:
             self._averagers[id(optimizer)] = DesLocAverager(optimizer, self.desloc_config, self.communicator, buffers)
         self._participants[id(optimizer)] = self.build_participants(optimizer, before_update)

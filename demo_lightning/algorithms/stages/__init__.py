@@ -8,7 +8,7 @@ Each stage is pure tensor code except the transport, which calls the
 
 from demo_lightning.algorithms.stages.decode import accumulate, inverse, zeroed_means
 from demo_lightning.algorithms.stages.encode import Selected, Workspace, select, select_at, transform_into, write_magnitudes
-from demo_lightning.algorithms.stages.plan import ExchangePlan, Family, Run, TensorPlan, build_plan
+from demo_lightning.algorithms.stages.plan import ExchangePlan, Family, Run, TensorPlan, block_role, build_plan
 from demo_lightning.algorithms.stages.positions import broadcast_positions
 from demo_lightning.algorithms.stages.transport import (
     AllGatherTransport,
@@ -34,6 +34,7 @@ __all__ = [
     "Transport",
     "Workspace",
     "accumulate",
+    "block_role",
     "broadcast_positions",
     "build_plan",
     "inverse",

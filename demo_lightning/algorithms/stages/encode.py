@@ -146,6 +146,9 @@ def select(
     the reordering together), and one ``topk`` over it picks the positions (ties broken by
     ``torch.topk``, the same on every rank for the same data); ``strongest_first`` orders each
     tile's picks by magnitude, largest first (``value_format="mixed"`` sends the first in fp16).
+    Tensors of a position group (:attr:`Family.group_index`) take the ``k`` positions of largest
+    summed energy ``sum_m |K_m|^2`` over the group's corresponding tiles (ordered by it with
+    ``strongest_first``): one ``topk`` over the groups' rows, one gather back to every member.
     """
     if selection == "lowpass":
         positions, offsets = family.lowpass_positions, family.lowpass_offsets
@@ -153,7 +156,13 @@ def select(
         if magnitudes is None:
             raise ValueError("select(..., 'topk') needs a magnitudes buffer of family.numel elements")
         tiles = write_magnitudes(family, storage, magnitudes)
-        return select_at(family, storage, torch.topk(tiles, family.k, dim=1, sorted=strongest_first).indices)
+        groups = family.group_index
+        if groups is None:
+            return select_at(family, storage, torch.topk(tiles, family.k, dim=1, sorted=strongest_first).indices)
+        # position groups: per tile index, the k largest summed energies sum_m |K_m|^2 of the group's members
+        energy = tiles.new_zeros(family.group_rows, family.tile_numel).index_add_(0, groups, tiles.square())
+        chosen = torch.topk(energy, family.k, dim=1, sorted=strongest_first).indices
+        return select_at(family, storage, chosen.index_select(0, groups))
     else:
         raise ValueError(f"selection must be 'topk' or 'lowpass', got {selection!r}")
     return Selected(family, positions, offsets, storage.take(offsets))

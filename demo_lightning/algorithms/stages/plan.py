@@ -12,12 +12,19 @@ plan. Stages read it:
 * a **bucket** is one collective of at most ``bucket_cap_mb`` megabytes; within it a **run** is
   consecutive tensors of one family, packed, sent and decoded together;
 * a **dense group** is the small tensors (below ``dense_below``) of one compute dtype and device,
-  summed by one fp32 all-reduce.
+  summed by one fp32 all-reduce;
+* a **position group** (``config.position_group_size > 1``, top-k only) is up to that many tensors of
+  one run with the same shape and role (:func:`block_role` of the parameter's name, when the
+  exchange knows the names: the same projection in every block), in plan order: its first member
+  (the carrier) sends the positions
+  the group chose together, the others only their values (:attr:`TensorPlan.shares_with`), so
+  their ``nbytes`` are the values' alone. Groups never cross a run, so a bucket decodes alone.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,12 +35,20 @@ import torch
 from torch import Tensor
 
 from demo_lightning.algorithms.config import CodecConfig, TensorCodec, compute_dtype
-from demo_lightning.codec import TileLayout, lowpass_positions
+from demo_lightning.codec import TileLayout, lowpass_positions, values_nbytes
 from demo_lightning.codec.transform import flat_index, tile_origins
 
-__all__ = ["ExchangePlan", "Family", "Run", "TensorPlan", "build_plan"]
+__all__ = ["ExchangePlan", "Family", "Run", "TensorPlan", "block_role", "build_plan"]
 
 FamilyKey = tuple[tuple[int, int], int, torch.dtype, torch.device]
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
+
+
+def block_role(name: str) -> str:
+    """A parameter's role across repeated blocks: its qualified name with every integer path
+    component replaced by ``#`` (``"blocks.3.attn.qkv.weight"`` -> ``"blocks.#.attn.qkv.weight"``), so
+    the same projection of every block of a ``ModuleList`` / ``Sequential`` has the same role."""
+    return _INDEX.sub("#", name)
 
 
 @dataclass
@@ -50,6 +65,8 @@ class TensorPlan:
     tile_offset: int = 0  # first row among the family's tiles
     flat_offset: int = 0  # first element in the family's flat storage
     nbytes: int = 0  # wire bytes per step
+    shares_with: Optional["TensorPlan"] = None  # the position group's first member, whose positions this one uses
+    role: Optional[str] = None  # what position groups match besides the shape (block_role of the name; None: shape alone)
 
     @property
     def dense(self) -> bool:
@@ -134,6 +151,20 @@ class Family:
         return flat_index(positions, self.origins[rows], self.strides[rows], self.tile_shape[1])
 
     @cached_property
+    def group_index(self) -> Optional[Tensor]:
+        """``(n_tiles,)``: for each tile, its row among the position groups' tiles (a carrier's tiles
+        in family order, a member's tiles mapped onto its carrier's); ``None`` when no tensor of the
+        family shares its positions."""
+        if all(m.shares_with is None for m in self.members):
+            return None
+        return _carrier_rows_of(self.members, self.device)
+
+    @property
+    def group_rows(self) -> int:
+        """Tiles whose positions are chosen (every tile when nothing is shared)."""
+        return sum(m.n_tiles for m in self.members if m.shares_with is None)
+
+    @cached_property
     def lowpass_positions(self) -> Tensor:
         """``(n_tiles, k)``: the ``k`` lowest frequencies of every tile (a view of one row)."""
         return lowpass_positions(*self.tile_shape, self.k, self.device).expand(self.n_tiles, self.k)
@@ -165,6 +196,41 @@ class Run:
     @property
     def coefficients(self) -> int:
         return sum(m.n_tiles for m in self.members) * self.family.k
+
+    @property
+    def positioned(self) -> tuple[bool, ...]:
+        """Per member, whether its segment carries positions (``False``: it uses its group's)."""
+        return tuple(m.shares_with is None for m in self.members)
+
+    @cached_property
+    def carrier_rows(self) -> Tensor:
+        """Rows of the run (``0 .. sum(tiles)``) whose positions go on the wire."""
+        rows, offset = [], 0
+        for m in self.members:
+            if m.shares_with is None:
+                rows.append(torch.arange(offset, offset + m.n_tiles, dtype=torch.int64))
+            offset += m.n_tiles
+        return torch.cat(rows).to(self.family.device)
+
+    @cached_property
+    def position_rows(self) -> Tensor:
+        """For each row of the run, its row among the carried positions (:attr:`carrier_rows`' order)."""
+        return _carrier_rows_of(self.members, self.family.device)
+
+
+def _carrier_rows_of(members: Sequence[TensorPlan], device: torch.device) -> Tensor:
+    """For each tile of ``members`` (in order), its row among the tiles of the members that carry
+    positions (in order): a carrier's own tiles, a group member's mapped onto its carrier's (which
+    comes first)."""
+    start: dict[int, int] = {}
+    rows, carried = [], 0
+    for m in members:
+        if m.shares_with is None:
+            start[m.position] = carried
+            carried += m.n_tiles
+        base = start[(m.shares_with or m).position]
+        rows.append(torch.arange(base, base + m.n_tiles, dtype=torch.int64))
+    return torch.cat(rows).to(device)
 
 
 @dataclass
@@ -200,11 +266,15 @@ def build_plan(
     config: CodecConfig,
     tensors: Sequence[Tensor],
     overrides: Optional[Sequence[Optional[TensorCodec]]] = None,
+    roles: Optional[Sequence[Optional[str]]] = None,
 ) -> ExchangePlan:
     """The plan for ``tensors`` (only their shapes, dtypes and devices are read) under ``config``
-    and per-tensor ``overrides`` (``None`` entries inherit the config)."""
+    and per-tensor ``overrides`` (``None`` entries inherit the config); ``roles``: per tensor, what
+    position groups match besides the shape (``None``: the shape alone)."""
     if overrides is not None and len(overrides) != len(tensors):
         raise ValueError(f"got {len(overrides)} per-tensor codec settings for {len(tensors)} tensors; give one per tensor (None inherits)")
+    if roles is not None and len(roles) != len(tensors):
+        raise ValueError(f"got {len(roles)} roles for {len(tensors)} tensors; give one per tensor (None: the shape alone)")
     items: list[TensorPlan] = []
     for position, x in enumerate(tensors):
         own = overrides[position] if overrides is not None else None
@@ -216,7 +286,8 @@ def build_plan(
                 "selection='lowpass', which would send the same elements every step and never the rest: keep every "
                 "coefficient (keep_ratio=1.0) for it, or use selection='topk'"
             )
-        item = TensorPlan(position, shape, compute_dtype(x.dtype), x.device, layout=layout, k=k)
+        item = TensorPlan(position, shape, compute_dtype(x.dtype), x.device, layout=layout, k=k,
+                          role=roles[position] if roles is not None else None)
         if layout is not None:
             item.family = (layout.tile_shape, k, item.dtype, item.device)
             item.nbytes = config.payload_bytes(shape, own)
@@ -245,4 +316,24 @@ def build_plan(
             bucket.append(Run(family, [item]))
         family.members.append(item)
         size += item.nbytes
+    if config.position_group_size > 1:
+        _group_positions(buckets, config)
     return ExchangePlan(config, items, dense_groups, families, buckets)
+
+
+def _group_positions(buckets: list[list[Run]], config: CodecConfig) -> None:
+    """Cut every run's tensors of one shape and role, in plan order, into position groups of
+    ``config.position_group_size``; members after the first send values only (fewer bytes, so
+    every bucket still fits its cap)."""
+    for bucket in buckets:
+        for run in bucket:
+            open_groups: dict[tuple[tuple[int, ...], Optional[str]], list[TensorPlan]] = {}
+            for item in run.members:
+                key = (item.shape, item.role)
+                group = open_groups.setdefault(key, [])
+                if len(group) == config.position_group_size:
+                    group = open_groups[key] = []
+                if group:
+                    item.shares_with = group[0]
+                    item.nbytes = values_nbytes(item.n_tiles, item.k, config.value_format, config.fp16_share)
+                group.append(item)

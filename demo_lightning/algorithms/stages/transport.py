@@ -8,8 +8,9 @@ feedback), and, once waited on, yields the contributions to sum, in a fixed orde
 on every rank. Encode and decode do not depend on which transport runs.
 
 * :class:`AllGatherTransport` (``"topk"``, and ``"lowpass"`` with int8/sign values): positions
-  (bit-packed, only when they vary) and values in the value format, one ``uint8`` buffer per rank;
-  contributions are every rank's, rank order 0..W-1.
+  (bit-packed, only when they vary; once per position group, in its first member's segment) and
+  values in the value format, one ``uint8`` buffer per rank; contributions are every rank's, rank
+  order 0..W-1.
 * :class:`AllReduceTransport` (``"shared"``, and ``"lowpass"`` with float values): the values at
   positions every rank shares (the leader's, or the fixed low frequencies) in the wire dtype,
   summed by one all-reduce; each value saturates at
@@ -99,10 +100,13 @@ class _GatheredBucket:
             for out in self.outgoing:  # one run at a time (the peak is one run decoded), lazily
                 run = out.run
                 with stage_range(self.names.unpack):  # closed before the yield: no range stays open across it
+                    shared = cfg.sends_positions and not all(run.positioned)
                     positions, values = unpack_segments(
                         rank_buf[offset : offset + run.nbytes], run.tiles, run.family.k, run.family.tile_numel,
-                        cfg.value_format, cfg.sends_positions, cfg.fp16_share,
+                        cfg.value_format, run.positioned if shared else cfg.sends_positions, cfg.fp16_share,
                     )
+                    if shared:  # position groups: every member's rows from its carrier's
+                        positions = positions.index_select(0, run.position_rows)  # type: ignore[union-attr]
                     contribution = Contribution(run, positions, values.to(out.values.dtype))
                 offset += run.nbytes
                 yield contribution
@@ -123,8 +127,12 @@ class AllGatherTransport:
         with stage_range(self.names.pack):
             for out in bucket:
                 run = out.run
-                buf, decoded = pack_segments(out.positions if cfg.sends_positions else None, out.values, run.tiles,
-                                             run.family.tile_numel, cfg.value_format, cfg.fp16_share)
+                positions: Optional[Tensor] = out.positions if cfg.sends_positions else None
+                positioned = None
+                if positions is not None and not all(run.positioned):  # position groups: carriers' rows only
+                    positions, positioned = positions.index_select(0, run.carrier_rows), run.positioned
+                buf, decoded = pack_segments(positions, out.values, run.tiles, run.family.tile_numel, cfg.value_format,
+                                             cfg.fp16_share, positioned)
                 buffers.append(buf)
                 sent.append(decoded.to(out.values.dtype))
             payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
