@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--param-sync-every", type=int, default=None, help="DES-LOC parameter period (desloc: default 16)")
     p.add_argument("--state-sync-every", default=None, help="DES-LOC state periods, e.g. exp_avg=48,exp_avg_sq=96")
     p.add_argument("--compress-params", action="store_true", help="desloc: parameter syncs through the DeMo codec")
-    p.add_argument("--data-path", default=None, help="your own text file or folder (default: the stdlib sources)")
+    p.add_argument("--data-path", default=None, help="your own text file or folder (default: the named --corpus)")
+    p.add_argument("--corpus", default="stdlib", choices=["stdlib", "prose", "cpp"],
+                   help="named corpus that ships with Python and its packages (demo_lightning.data.corpora): the stdlib's "
+                        "sources, English documentation prose, or C/C++ headers")
     p.add_argument("--max-bytes", type=int, default=8_000_000)
     p.add_argument("--val-check-interval", type=int, default=100)
     p.add_argument("--log-dir", default="runs")
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, optimizer=optimizer,
         lr=lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
     )
-    data = TextDataModule(path=args.data_path, block_size=args.block_size, batch_size=args.batch_size, max_bytes=args.max_bytes)
+    data = TextDataModule(path=args.data_path, corpus=args.corpus, block_size=args.block_size, batch_size=args.batch_size,
+                          max_bytes=args.max_bytes)
     states = None
     if args.state_sync_every:
         states = {k: int(v) for k, v in (item.split("=") for item in args.state_sync_every.split(","))}
