@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/compare.py --world-sizes 2 --methods ddp,demo-sign1bit --steps 100
     .venv/bin/python benchmarks/compare.py --render-only --update-readme   # re-render table, plots and README from the JSON
 
-The job is the main example's task (a byte-level GPT on the Python standard library's sources),
+The job is the main example's task (a byte-level GPT on the Python standard library's sources;
+``--corpus prose|cpp|PATH`` trains on another named corpus or your own text, ``--lr`` sets every method's rate),
 scaled so 4 processes share 2 CPU cores: ``--d-model 128 --n-layer 2`` (443,648 parameters),
 16 windows of 128 bytes per worker per step. Every method trains on the same data, from the same
 seed, for the same number of optimizer steps, at each world size in turn (runs are sequential, so
@@ -28,6 +29,8 @@ compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps kee
 ``desloc-k16`` (dense syncs every 16 steps, moments every 48 / 96: what the period alone costs),
 ``desloc-compressed-local`` and ``-local-k8`` (moments never averaged; every 8 steps keeping 32),
 ``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions),
+``desloc-adaptive`` (``desloc-k16``'s periods adapted by ``AdaptiveSyncPeriods`` to the replicas' divergence)
+against ``desloc-fixed-equal`` / ``-equal-ratio`` (fixed periods at its bytes: 16 / 32 / 128, and 1 : 3 : 6 at K_x 15),
 ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
 ``transform="identity"``: no transform, chunked top-k of the momentum itself; same bytes as ``demo``),
 ``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
@@ -104,6 +107,7 @@ class Method:
     lr: float
     options: dict[str, Any] = field(default_factory=dict)
     keep_ratio: Any = None  # AdaptiveKeepRatio(keep_ratio=...) on the Trainer: "default" (its ramp), a number; None: no callback
+    sync_periods: Any = None  # AdaptiveSyncPeriods(**sync_periods) on the Trainer (a dict of its arguments); None: no callback
 
 
 ADAMW_LR, DEMO_LR = 1e-3, 1e-3
@@ -209,6 +213,23 @@ for _lam in (0.1, 0.3):
     METHODS[f"demo-compensation{_lam:g}"] = Method(
         f"DeMo 1-bit, momentum compensation lambda {_lam:g}, SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign", "compensation": _lam},
     )
+# issue 16 item 7, DES-LOC periods that adapt (seed 002): AdaptiveSyncPeriods from desloc-k16's periods (16 / 48 / 96),
+# calibrated at the first syncs after the learning-rate warm-up (20 steps), within [16, 512]; against fixed periods at
+# the adaptive run's bytes: its 52 dense syncs in 520 steps (32 + 16 + 4 at 16 / 32 / 128), and the paper's 1 : 3 : 6
+# ratios at the closest K_x (15: 34 + 11 + 5 = 50 syncs); figures in benchmarks/results/issue16/adaptive_periods
+METHODS["desloc-adaptive"] = Method(
+    "DES-LOC AdamW from K_x 16, K_u 48, K_v 96, AdaptiveSyncPeriods (divergence target calibrated after warm-up, "
+    "factor 2, band [0.5, 2], periods in [16, 512])", "desloc", "adamw", ADAMW_LR, dict(METHODS["desloc-k16"].options),
+    sync_periods={"min_period": 16, "max_period": 512, "start_step": 20},
+)
+METHODS["desloc-fixed-equal"] = Method(
+    "DES-LOC AdamW, fixed K_x 16, K_u 32, K_v 128: desloc-adaptive's 52 syncs in 520 steps", "desloc", "adamw", ADAMW_LR,
+    {"param_sync_every": 16, "state_sync_every": {"exp_avg": 32, "exp_avg_sq": 128}},
+)
+METHODS["desloc-fixed-equal-ratio"] = Method(
+    "DES-LOC AdamW, fixed K_x 15, K_u 45, K_v 90 (1 : 3 : 6): 50 syncs in 520 steps, the closest to desloc-adaptive's 52",
+    "desloc", "adamw", ADAMW_LR, {"param_sync_every": 15, "state_sync_every": {"exp_avg": 45, "exp_avg_sq": 90}},
+)
 # issue 16's wire formats: a byte a value (float8, one fp32 scale a tile) and per-frequency mixed precision
 # (each tile's strongest quarter in fp16, the rest int8), at the default's k, and fp8 at about the default's bytes
 for _name, _fmt, _k, _what in (
@@ -219,13 +240,16 @@ for _name, _fmt, _k, _what in (
 ):
     METHODS[_name] = Method(f"DeMo top-k {_k}/4096, {_what}, SGD", "demo", "sgd", DEMO_LR, {"value_format": _fmt, "topk": _k})
 
-
 # issue 16 item 4, position groups (seed 000 §7, "layers share base frequencies"): the same projection of the two
 # blocks chooses its positions once from the summed energy and sends them once; at the default's k (fewer bytes),
 # and at the k that spends about the default's bytes (108: 60 tiles carry positions, 48 send values only)
 METHODS["demo-groups2"] = Method(
     "DeMo 1-bit, top-k 64, positions shared by each projection across the 2 blocks, SGD", "demo", "sgd", DEMO_LR,
     {"value_format": "sign", "position_group_size": 2},
+)
+METHODS["demo-topk38"] = Method(
+    "DeMo 1-bit, top-k 38, every tensor its own positions (about demo-groups2's bytes), SGD", "demo", "sgd", DEMO_LR,
+    {"value_format": "sign", "topk": 38},
 )
 METHODS["demo-groups2-k108"] = Method(
     "DeMo 1-bit, top-k 108, positions shared across the 2 blocks (about the default's bytes), SGD", "demo", "sgd", DEMO_LR,
@@ -234,11 +258,16 @@ METHODS["demo-groups2-k108"] = Method(
 
 # ---------------------------------------------------------------------------------------------- worker
 def _callbacks(method: Method) -> list[Any]:
-    if method.keep_ratio is None:
-        return []
-    from demo_lightning import AdaptiveKeepRatio
+    out: list[Any] = []
+    if method.keep_ratio is not None:
+        from demo_lightning import AdaptiveKeepRatio
 
-    return [AdaptiveKeepRatio() if method.keep_ratio == "default" else AdaptiveKeepRatio(keep_ratio=method.keep_ratio)]
+        out.append(AdaptiveKeepRatio() if method.keep_ratio == "default" else AdaptiveKeepRatio(keep_ratio=method.keep_ratio))
+    if method.sync_periods is not None:
+        from demo_lightning import AdaptiveSyncPeriods
+
+        out.append(AdaptiveSyncPeriods(**method.sync_periods))
+    return out
 
 
 def _strategy(method: Method, timeout: float) -> Any:
@@ -349,6 +378,8 @@ def worker(args: argparse.Namespace) -> None:
                     by_tag[rec.tag] = by_tag.get(rec.tag, 0.0) + rec.sent_bytes
                 row.update(sent=traffic.sent_bytes, received=traffic.received_bytes, calls=traffic.calls, sent_by_tag=by_tag,
                            exchange_s=inside, modeled={f"{b:g}": modeled_seconds(records, b, latency) for b in bandwidths})
+                if method.sync_periods is not None and strat.averagers:  # the periods in force after this step
+                    row["periods"] = dict(getattr(strat.averagers[0], "periods", {}))
             else:
                 n = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
                 ddp = ddp_bytes_per_step(n, trainer.world_size)
@@ -363,9 +394,11 @@ def worker(args: argparse.Namespace) -> None:
     pl.seed_everything(args.seed, workers=True, verbose=False)
     model = GPTLightningModule(
         block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, optimizer=method.optimizer,
-        lr=method.lr, warmup_steps=args.warmup_steps, max_steps=args.steps,
+        lr=method.lr if args.lr is None else args.lr, warmup_steps=args.warmup_steps, max_steps=args.steps,
     )
-    data = TextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=args.max_bytes)
+    named = args.corpus in CORPUS_NAMES
+    data = TextDataModule(path=None if named else args.corpus, corpus=args.corpus if named else "stdlib", block_size=args.block_size,
+                          batch_size=args.batch_size, max_bytes=args.max_bytes)
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=_strategy(method, args.timeout), max_steps=args.steps,
@@ -407,24 +440,43 @@ def sync_periods(strategy: Any) -> dict[str, int]:
         config = averager.config
         if config.param_sync_every is not None:
             periods["desloc/params"] = periods["desloc/buffers"] = config.param_sync_every  # also desloc/params_compressed
-        periods.update({f"desloc/state/{key}": period for key, period in config.state_periods.items()})
+        current = getattr(averager, "periods", None)  # the periods at the end (AdaptiveSyncPeriods changes them)
+        if current is not None and "params" in current:
+            periods["desloc/params"] = periods["desloc/buffers"] = current["params"]
+        states = getattr(averager, "state_periods", config.state_periods)
+        periods.update({f"desloc/state/{key}": period for key, period in states.items()})
     return periods
 
 
 # ---------------------------------------------------------------------------------------------- parent
+CORPUS_NAMES = ("stdlib", "prose", "cpp")
+
+
+def _corpus_digest(args: argparse.Namespace) -> str:
+    """The trained text's digest (demo_lightning.data.corpora.corpus_digest), to tell machines' corpora apart."""
+    from demo_lightning.data import corpus_digest, load_text_corpus
+
+    named = args.corpus in CORPUS_NAMES
+    train, val = load_text_corpus(None if named else args.corpus, args.max_bytes, 0.05, args.corpus if named else "stdlib")
+    return corpus_digest(train, val)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def run_method(name: str, world_size: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Launch one run (Lightning starts the other ranks) and merge its rank records into one record."""
+def run_method(name: str, world_size: int, args: argparse.Namespace, workdir: Path, script: Path | None = None) -> dict[str, Any]:
+    """Launch one run (Lightning starts the other ranks) and merge its rank records into one record.
+
+    ``script``: the file run as the worker (default this one; ``benchmarks/presets.py`` runs itself,
+    adding its rows to this file's worker)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / f"{name.replace('+', '_')}_w{world_size}"
-    for stale in workdir.glob(f"{out.name}.rank*.json"):
+    for stale in workdir.glob(f"{out.name}.*rank*.json"):
         stale.unlink()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", name, "--world-size", str(world_size),
+    cmd = [sys.executable, str((script or Path(__file__)).resolve()), "--worker", "--method", name, "--world-size", str(world_size),
            "--out", str(out), *args.shared]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")}
     env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(_free_port())
@@ -457,6 +509,9 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]
     sent = sum(r["sent"] for r in rows) / steps
     received = sum(r["received"] for r in rows) / steps
     steady = long_run_ratio(rows, r0.get("sync_periods", {}), ddp_bytes)
+    changes = _period_changes(rows)
+    if len(changes) > 1:  # the periods moved (AdaptiveSyncPeriods): no one period to extrapolate from
+        steady = None
     modeled_comm = {b: sum(r["modeled"][b] for r in rows) / steps for b in rows[0]["modeled"]}
     cumulative, total = [], 0.0
     for r in rows:
@@ -475,7 +530,18 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
         "modeled_comm_s_per_step": modeled_comm,
         "train_loss": [r["loss"] for r in rows], "cumulative_sent_bytes": cumulative, "library": r0.get("library"),
+        "sync_periods": r0.get("sync_periods", {}),
+        **({"period_changes": changes} if changes else {}),
     }
+
+
+def _period_changes(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, int]]]:
+    """``(step, periods)`` at the first step and wherever the periods changed (AdaptiveSyncPeriods runs)."""
+    out: list[tuple[int, dict[str, int]]] = []
+    for r in rows:
+        if "periods" in r and (not out or out[-1][1] != r["periods"]):
+            out.append((r["step"], r["periods"]))
+    return out
 
 
 def long_run_ratio(rows: list[dict[str, Any]], periods: dict[str, int], ddp_bytes: float) -> float | None:
@@ -684,7 +750,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=20, help="learning-rate warm-up")
-    p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the stdlib sources read (5 %% validation)")
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the corpus read (5 %% validation)")
+    p.add_argument("--corpus", default="stdlib",
+                   help="a named corpus (stdlib, prose, cpp: demo_lightning.data.corpora) or a path to your own text")
+    p.add_argument("--lr", type=float, default=None, help="every method's peak learning rate (default: each method's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidths", default="1,10,100", help="Gbit/s, comma-separated")
     p.add_argument("--latency-ms", type=float, default=0.5, help="per hop of a collective")
@@ -694,6 +763,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=str(ROOT / "runs" / "compare"))
     p.add_argument("--render-only", action="store_true", help="re-render table, plots (and README) from <out>/latest.json")
     p.add_argument("--update-readme", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write the JSON and the table only")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", default=None, help=argparse.SUPPRESS)
     p.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
@@ -715,8 +785,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.val_every < 1 or args.warmup < 0:
         p.error("--steps and --val-every must be >= 1, --warmup >= 0")
     keys = ("steps", "val_every", "d_model", "n_layer", "block_size", "batch_size", "warmup_steps", "max_bytes", "seed",
-            "bandwidths", "latency_ms", "timeout")
-    args.shared = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+            "bandwidths", "latency_ms", "timeout", "corpus", "lr")
+    args.shared = [x for k in keys if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     return args
 
 
@@ -742,14 +812,16 @@ def main(argv: list[str] | None = None) -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), torch gloo on loopback",
             "steps": args.steps, "n_trainable": records[0]["n_trainable"], "d_model": args.d_model, "n_layer": args.n_layer,
-            "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed,
+            "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed, "corpus": args.corpus, "lr": args.lr,
+            "corpus_digest": _corpus_digest(args),
             "bandwidths": [float(b) for b in args.bandwidths.split(",")], "latency_ms": args.latency_ms,
             "wall_s": time.perf_counter() - start,
         }
         (out / "latest.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     table = render(meta, records)
     (out / "latest.md").write_text(table)
-    plot(records, meta["bandwidths"], out)
+    if not args.no_plots:
+        plot(records, meta["bandwidths"], out)
     print(table)
     if args.update_readme:
         replace_section("compare", table)

@@ -17,7 +17,7 @@ The public surface, importable from here:
   (:class:`StepContext`, :class:`StepParticipant`, :func:`run_step`);
 * communication: :class:`Communicator`, :class:`CollectiveWork`, :class:`CollectiveError`,
   :class:`ByteLedger`;
-* callbacks: :class:`CommunicationMonitor`, :class:`AdaptiveKeepRatio`, :class:`LayerPolicy`
+* callbacks: :class:`CommunicationMonitor`, :class:`AdaptiveKeepRatio`, :class:`AdaptiveSyncPeriods`, :class:`LayerPolicy`
   (with :class:`LayerRule` and :class:`Schedule`); the optimizer :class:`DecoupledMomentum`.
 """
 
@@ -30,7 +30,7 @@ from demo_lightning.algorithms.demo import DeMoConfig, DeMoExchange, TensorSetti
 from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
 from demo_lightning.algorithms.guard import NonFiniteGuard
 from demo_lightning.algorithms.participants import StepContext, StepParticipant, run_step
-from demo_lightning.callbacks import AdaptiveKeepRatio, CommunicationMonitor, LayerPolicy, LayerRule
+from demo_lightning.callbacks import AdaptiveKeepRatio, AdaptiveSyncPeriods, CommunicationMonitor, LayerPolicy, LayerRule
 from demo_lightning.comm import ByteLedger, CollectiveError, CollectiveWork, Communicator
 from demo_lightning.optim import DecoupledMomentum
 from demo_lightning.schedules import Schedule
@@ -45,6 +45,7 @@ DesLocFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "AdaptiveKeepRatio",
+    "AdaptiveSyncPeriods",
     "ByteLedger",
     "CodecConfig",
     "CollectiveError",

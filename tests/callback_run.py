@@ -1,7 +1,8 @@
 """Contract runs of every callback in ``demo_lightning.callbacks``, driven by tests/test_callbacks.py.
 
 Launched once per world size (Lightning's launcher re-runs it for every local rank). For each
-callback class it runs, with strategy="demo" on a tiny GPT:
+callback class it runs, with strategy="demo" on a tiny GPT (or the class's entry in STRATEGIES:
+AdaptiveSyncPeriods needs DES-LOC, with AdamW):
 
 * ``defaults``: the class constructed with no arguments, a fit of STEPS/2 steps;
 * ``full``: a configured instance (CONFIGURED below), an uninterrupted fit of STEPS steps;
@@ -9,7 +10,9 @@ callback class it runs, with strategy="demo" on a tiny GPT:
 * ``resumed``: a fresh instance resumed from that checkpoint to STEPS.
 
 Each rank writes ``rank{R}.json``: per fit, per optimizer step, the callback's ``state_dict()``,
-the exchange's per-tensor settings and a parameter hash. The monitor's fit logs to TensorBoard.
+the exchange's per-tensor settings, the DES-LOC periods, this rank's parameter hash (``replica``) and,
+where every rank must hold the same parameters (DeMo: every step; DES-LOC: right after a parameter
+sync), ``params``. The monitor's fit logs to TensorBoard.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import demo_lightning.callbacks as callbacks
+from demo_lightning import DesLocStrategy
 from demo_lightning.data import TextDataModule
 from demo_lightning.models import GPTLightningModule
 
@@ -34,8 +38,16 @@ from dist_helpers import tensor_hash
 STEPS = 8
 CONFIGURED: dict[str, dict[str, Any]] = {
     "AdaptiveKeepRatio": {"energy": 0.5, "update_every": 2, "max_bytes_per_step": 20000},
-    "LayerPolicy": {"preset": "language"},
+    # the preset under a DeMo exchange is constant over the run: a user rule ramps the embedding's decay, so a
+    # schedule position is there to resume to
+    "LayerPolicy": {"preset": "language", "rules": [callbacks.LayerRule(pattern="*tok.weight", beta=callbacks.Schedule(kind="linear", start=0.9, end=0.99))]},
     "CommunicationMonitor": {"histogram_every": 4},
+    # a tight band, so the periods move within the 8 steps
+    "AdaptiveSyncPeriods": {"low": 0.9, "high": 1.1, "max_period": 4},
+}
+# callbacks that need another strategy than "demo": (strategy factory, the GPT's optimizer)
+STRATEGIES: dict[str, tuple[Any, str]] = {
+    "AdaptiveSyncPeriods": (lambda: DesLocStrategy(param_sync_every=1), "adamw"),
 }
 
 
@@ -61,14 +73,24 @@ class Recorder(pl.Callback):
     def __init__(self, watched: pl.Callback) -> None:
         self.watched = watched
         self.steps: list[dict[str, Any]] = []
+        self._param_syncs = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        averagers = trainer.strategy.averagers  # a resumed fit starts from the restored count
+        self._param_syncs = averagers[0].stats.syncs.get("params", 0) if averagers else 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        exchange = trainer.strategy.exchanges[0]
+        exchanges, averagers = trainer.strategy.exchanges, trainer.strategy.averagers
+        replica = tensor_hash(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]))
+        syncs = averagers[0].stats.syncs.get("params", 0) if averagers else 0
+        identical = bool(exchanges) or syncs > self._param_syncs  # DeMo: every step; DES-LOC: just averaged
+        self._param_syncs = syncs
         self.steps.append({
             "step": trainer.global_step,
             "state": jsonable(self.watched.state_dict()),
-            "settings": {n: repr(exchange.tensor_settings(p)) for n, p in pl_module.named_parameters()},
-            "params": tensor_hash(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])),
+            "settings": {n: repr(exchanges[0].tensor_settings(p)) for n, p in pl_module.named_parameters()} if exchanges else {},
+            "periods": averagers[0].periods if averagers else {},
+            "replica": replica, "params": replica if identical else None,
             "loss": float(outputs["loss"]),
             "batch": tensor_hash(batch.float()), "epoch": trainer.current_epoch,
         })
@@ -86,8 +108,9 @@ def fit(callback: pl.Callback, epochs: int, out: Path, name: str, *, ckpt_in: st
     pl.seed_everything(0, workers=True)
     recorder = Recorder(callback)
     extra = [StopAfterFirstEpoch()] if stop_half_way else []
+    make_strategy, optimizer = STRATEGIES.get(type(callback).__name__, (lambda: "demo", "sgd"))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ.get("CONTRACT_DEVICES", "1")), strategy="demo", max_epochs=epochs,
+        accelerator="cpu", devices=int(os.environ.get("CONTRACT_DEVICES", "1")), strategy=make_strategy(), max_epochs=epochs,
         callbacks=[callback, recorder, *extra], logger=TensorBoardLogger(out / "tb", name=name) if tb else False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         # epochs of STEPS/2 batches, ended by max_epochs: the half-way checkpoint falls on a clean epoch
@@ -95,7 +118,7 @@ def fit(callback: pl.Callback, epochs: int, out: Path, name: str, *, ckpt_in: st
         # last batch resumes into a truncated epoch)
         limit_train_batches=STEPS // 2, limit_val_batches=0, num_sanity_val_steps=0, deterministic=True,
     )
-    model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer="sgd", lr=1e-2, warmup_steps=2, max_steps=STEPS)
+    model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer=optimizer, lr=1e-2, warmup_steps=2, max_steps=STEPS)
     data = TextDataModule(block_size=32, batch_size=4, max_bytes=40_000, max_val_bytes=2_000)
     trainer.fit(model, data, ckpt_path=ckpt_in)
     if stop_half_way:

@@ -22,8 +22,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from demo_lightning import DeMoStrategy, DesLocStrategy
+from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
 from demo_lightning.callbacks import (
     AdaptiveKeepRatio,
+    AdaptiveSyncPeriods,
     CommunicationMonitor,
     LayerPolicy,
     LayerRule,
@@ -196,6 +198,32 @@ ROWS = [
     Row("akr-max_keep_ratio", lambda _: AdaptiveKeepRatio(max_keep_ratio=1.5), ValueError, r"max_keep_ratio", r"\(0, 1\]"),
     Row("akr-min-above-max", lambda _: AdaptiveKeepRatio(min_keep_ratio=0.5, max_keep_ratio=0.1), ValueError, r"min_keep_ratio.*max_keep_ratio", r"must not exceed"),
     Row("akr-update_every", lambda _: AdaptiveKeepRatio(update_every=0), ValueError, r"update_every", r"positive integer"),
+    # AdaptiveSyncPeriods (and the averager's set_period it drives)
+    Row("asp-min_period", lambda _: AdaptiveSyncPeriods(min_period=0), ValueError, r"min_period", r"integer period >= 1"),
+    Row("asp-max_period", lambda _: AdaptiveSyncPeriods(max_period={"params": 0}), ValueError, r"max_period\['params'\]", r"integer period >= 1"),
+    Row("asp-min-above-max", lambda _: AdaptiveSyncPeriods(min_period=64, max_period=16), ValueError, r"min_period.*max_period", r"must not exceed"),
+    Row("asp-factor", lambda _: AdaptiveSyncPeriods(factor=1.0), ValueError, r"\bfactor\b", r"must be > 1"),
+    Row("asp-low", lambda _: AdaptiveSyncPeriods(low=0.0), ValueError, r"\blow\b", r"\(0, 1\]"),
+    Row("asp-high", lambda _: AdaptiveSyncPeriods(high=0.5), ValueError, r"\bhigh\b", r"must be >= 1"),
+    Row("asp-low-above-high", lambda _: AdaptiveSyncPeriods(low=1.0, high=1.0), ValueError, r"low \(1\.0\).*high", r"must be below"),
+    Row("asp-target", lambda _: AdaptiveSyncPeriods(target=-1.0), ValueError, r"\btarget\b", r"must be > 0"),
+    Row("asp-target-name", lambda _: AdaptiveSyncPeriods(target={"weights": 0.1}), ValueError, r"target names 'weights'", r"'params' or 'state/"),
+    Row("asp-quantities", lambda _: AdaptiveSyncPeriods(quantities="params"), ValueError, r"quantities", r"list of quantity names"),
+    Row(
+        "asp-quantities-unknown", lambda _: _fit("desloc", callbacks=(AdaptiveSyncPeriods(quantities=["state/nope"]),)),
+        ValueError, r"names \['state/nope'\]", r"name those quantities", fit=True,
+    ),
+    Row("asp-states_follow_params", lambda _: AdaptiveSyncPeriods(states_follow_params="yes"), ValueError, r"states_follow_params", r"True or False"),
+    Row("asp-start_step", lambda _: AdaptiveSyncPeriods(start_step=-1), ValueError, r"start_step", r"non-negative integer"),
+    Row("asp-log_periods", lambda _: AdaptiveSyncPeriods(log_periods="no"), ValueError, r"log_periods", r"True or False"),
+    Row(
+        "asp-with-demo", lambda _: _fit("demo", callbacks=(AdaptiveSyncPeriods(),)),
+        ValueError, r"AdaptiveSyncPeriods.*DeMoStrategy has no DES-LOC averager", r"use Trainer\(strategy='desloc'\)", fit=True,
+    ),
+    Row("desloc-set_period-name", lambda _: DesLocAverager(torch.optim.SGD(_param(), lr=0.1), DesLocConfig(param_sync_every=2)).set_period("weights", 4),
+        ValueError, r"name='weights'", r"it averages \['params'"),
+    Row("desloc-set_period-period", lambda _: DesLocAverager(torch.optim.SGD(_param(), lr=0.1), DesLocConfig(param_sync_every=2)).set_period("params", 0),
+        ValueError, r"\bperiod\b", r"integer period >= 1"),
     Row("akr-max_bytes_per_step", lambda _: AdaptiveKeepRatio(max_bytes_per_step=0), ValueError, r"max_bytes_per_step", r"positive integer \(bytes\) or None"),
     Row(
         "akr-with-ddp", lambda _: _fit("ddp", callbacks=(AdaptiveKeepRatio(),)),
@@ -221,6 +249,10 @@ ROWS = [
     Row("rule-dense", lambda _: LayerRule(dense="yes"), ValueError, r"LayerRule dense", r"True, False or None"),
     Row("rule-lam", lambda _: LayerRule(lam=-0.1), ValueError, r"LayerRule lam", r"\[0\.0, inf\]"),
     Row("policy-preset", lambda _: LayerPolicy(preset="audio"), ValueError, r"preset", r"one of \('language', 'vision'\) or None"),
+    Row("policy-small_batch", lambda _: LayerPolicy(preset="vision", small_batch="yes"), ValueError, r"\bsmall_batch\b",
+        r"True, False or None"),
+    Row("policy-small_batch-without-preset", lambda _: LayerPolicy(small_batch=True), ValueError, r"small_batch=True.*preset is None",
+        r"pass preset='language' or 'vision', or leave small_batch=None"),
     Row("policy-rules", lambda _: LayerPolicy(rules=[{"pattern": "*"}]), ValueError, r"rules\[0\]", r"must be a LayerRule"),
     Row(
         "policy-lam-without-decoupled-momentum", lambda _: _fit("demo", callbacks=(LayerPolicy(rules=[LayerRule(lam=0.1)], print_settings=False),)),
@@ -321,7 +353,7 @@ def test_table_covers_every_public_argument() -> None:
 
     set_by_trainer = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "self"}
     ids = " ".join(row.id for row in ROWS)
-    prefixes = {DeMoStrategy: "demo-", DesLocStrategy: "desloc-", AdaptiveKeepRatio: "akr-", LayerRule: "rule-",
+    prefixes = {DeMoStrategy: "demo-", DesLocStrategy: "desloc-", AdaptiveKeepRatio: "akr-", AdaptiveSyncPeriods: "asp-", LayerRule: "rule-",
                 LayerPolicy: "policy-", CommunicationMonitor: "monitor-", Schedule: "schedule-", DecoupledMomentum: "dm-"}
     missing = []
     for cls, prefix in prefixes.items():

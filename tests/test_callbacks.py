@@ -354,8 +354,9 @@ def test_adaptive_energy_controller_scales_each_tensors_policy_ratio_in_either_c
 
 @pytest.mark.usefixtures("isolated_process_group")
 def test_shipped_demo_desloc_config_applies_the_language_preset_under_the_adaptive_ramp(tmp_path: Path) -> None:
-    """configs/gpt_demo_desloc.yaml: the preset's attention Q/K (1/32) and feed-forward (1/128) ratios,
-    scaled by the ramp's level over the strategy's 64/4096, are what the exchange applies."""
+    """configs/gpt_demo_desloc.yaml: beside the adaptive ramp the language preset gives each kind its share
+    of the ramp's level (its ratio over its overall ratio): attention Q/K 1.5x (0.12 / 0.08), feed-forward
+    0.75x (0.06 / 0.08), the rest 1x; norms dense. This is what the exchange applies."""
     from demo_lightning.cli import build_cli
 
     config = HERE.parent / "configs" / "gpt_demo_desloc.yaml"
@@ -381,13 +382,15 @@ def test_shipped_demo_desloc_config_applies_the_language_preset_under_the_adapti
             by_kind.setdefault(kinds[name], set()).add(value)
     # the last step's ramp level s (cosine 1/128 -> 1/32 over 2 steps, before step 1: halfway), tiles of 4096
     s = (1 / 128 + 1 / 32) / 2
-    assert by_kind["attention_qk"] == {_ceil(s * (1 / 32) / (64 / 4096) * 4096)}  # 2x the ramp
-    assert by_kind["ffn"] == {_ceil(s * (1 / 128) / (64 / 4096) * 4096)}  # half the ramp
-    assert by_kind["attention_out"] == {_ceil(s * 4096)}  # no strength rule: the ramp itself
+    assert by_kind["attention_qk"] == {_ceil(s * 1.5 * 4096)}  # 1.5x the ramp
+    assert by_kind["ffn"] == {_ceil(s * 0.75 * 4096)}  # 0.75x the ramp
+    assert by_kind["attention_out"] == {_ceil(s * 4096)}  # the preset's overall ratio: the ramp itself
     assert {k[name] for name in k if kinds[name] == "norm"} == {0}  # the preset's dense norms
     assert min(by_kind["attention_qk"]) > min(by_kind["attention_out"]) > min(by_kind["ffn"])
     first = recorder.steps[0]["k"]  # step 0: the ramp's start
-    assert first["model.blocks.0.qkv.weight"] == _ceil((1 / 128) * 2 * 4096) and first["model.blocks.0.fc.weight"] == _ceil((1 / 128) / 2 * 4096)
+    assert first["model.blocks.0.qkv.weight"] == _ceil((1 / 128) * 1.5 * 4096) and first["model.blocks.0.fc.weight"] == _ceil((1 / 128) * 0.75 * 4096)
+    policy = next(cb for cb in trainer.callbacks if isinstance(cb, LayerPolicy))
+    assert policy.small_batch_used is True and policy.global_batch == 4  # 4 windows x 1 device: small (the shares stay)
 
 
 # ---------------------------------------------------------------- contract at 1 and 2 workers
@@ -439,6 +442,10 @@ def test_contract_schedules_actually_move(contract: tuple[int, Path, list[dict]]
     adaptive = [json.dumps(s["state"]["controller_k"], sort_keys=True) for s in full["AdaptiveKeepRatio"]["full"]]
     assert len(set(adaptive)) > 1  # the controller re-measured
     assert len({s["settings"]["model.blocks.0.fc.weight"] for s in full["AdaptiveKeepRatio"]["defaults"]}) > 1  # ramp
+    periods = [json.dumps(s["periods"], sort_keys=True) for s in full["AdaptiveSyncPeriods"]["full"]]
+    if contract[0] == 2:  # one worker is its own mean: nothing drifts apart, nothing to adapt
+        assert len(set(periods)) > 1, periods  # DES-LOC's periods moved with the measured divergence
+        assert any(s["params"] is None for s in full["AdaptiveSyncPeriods"]["full"])  # and replicas differed between syncs
 
 
 def test_monitor_tensorboard_events_have_the_expected_tags_and_values(contract: tuple[int, Path, list[dict]]) -> None:

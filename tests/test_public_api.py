@@ -15,6 +15,7 @@ import demo_lightning
 # where each public name is defined (a rename or a second definition breaks this table)
 HOMES = {
     "AdaptiveKeepRatio": "demo_lightning.callbacks.adaptive_keep_ratio",
+    "AdaptiveSyncPeriods": "demo_lightning.callbacks.adaptive_sync_periods",
     "ByteLedger": "demo_lightning.comm.ledger",
     "CodecConfig": "demo_lightning.algorithms.config",
     "CollectiveError": "demo_lightning.comm.collectives",

@@ -31,6 +31,20 @@ Profiling (:mod:`~demo_lightning.profiling`): each due average runs inside the s
 ``codec/...`` ranges), ``desloc/sync/buffers`` and ``desloc/sync/state/<key>`` per state key inside
 it; local clipping runs inside ``desloc/clip`` and the final average inside ``desloc/final``.
 
+Periods that change at run time (:meth:`DesLocAverager.set_period`, used by
+:class:`~demo_lightning.algorithms.adaptive_periods.AdaptivePeriodController`): each quantity ``q``
+(``"params"``, ``"state/<key>"``) has a period ``K_q`` and an anchor ``a_q`` (0 until its period is
+changed; then the local step at which it was changed), and is averaged after local step ``t`` when
+``t > a_q and (t - a_q) % K_q == 0``. With no change this is ``t % K_q == 0``. Periods and anchors
+are in :meth:`~DesLocAverager.state_dict` (a checkpoint without them loads as the configured
+schedule), so a resume continues the same schedule.
+
+Divergence (:attr:`DesLocAverager.measure_divergence`, off by default): at each sync, for every
+quantity averaged, this rank's relative distance from the mean over all its tensors,
+``d_q = ||v_r - mean(v)|| / ||mean(v)||`` (a compressed parameter sync compares the replica with the
+new synced point), computed locally after the collectives (no extra collective; one host read per
+sync), in :attr:`~DesLocAverager.last_divergence`. Off, it costs nothing.
+
 Failure behaviour: a sync is all-or-nothing. All collectives of a step run on copies; nothing is
 written back until every one has completed, so a sync that times out raises on the ranks that
 reach the timeout and leaves each rank's parameters and states as they were before it.
@@ -235,6 +249,15 @@ class DesLocAverager:
         if self._codec is not None:
             self.reset_anchor()
         self._hooks: list[Any] = []
+        # periods changed at run time: quantity -> period, and the local step it was changed at
+        self._period_override: dict[str, int] = {}
+        self._period_anchor: dict[str, int] = {}
+        self.measure_divergence = False
+        """Measure each rank's relative divergence from the mean at every sync (see the module docstring)."""
+        self.last_divergence: dict[str, float] = {}
+        """Quantity -> this rank's ``||v_r - mean|| / ||mean||`` at the last sync that averaged it
+        (cleared at every sync; filled only with :attr:`measure_divergence`)."""
+        self._observers: list[Callable[["DesLocAverager", list[str]], None]] = []
         self._sources: dict[str, Callable[[], Mapping[Tensor, Tensor]]] = {}
         self._source_groups: dict[str, dist.ProcessGroup] = {}
 
@@ -302,13 +325,50 @@ class DesLocAverager:
                     torch.nn.utils.clip_grad_norm_(grads, self.config.clip_grad_norm)
 
     def due(self, step: Optional[int] = None) -> list[str]:
-        """Quantities averaged after local step ``step`` (default: the next one)."""
+        """Quantities averaged after local step ``step`` (default: the next one): ``q`` is due when
+        ``step > a_q`` and ``(step - a_q) % K_q == 0`` (anchor ``a_q`` 0 unless its period was changed)."""
         t = self.step_count + 1 if step is None else step
-        names = []
-        if self.config.param_sync_every is not None and t % self.config.param_sync_every == 0:
-            names.append("params")
-        names += [f"state/{key}" for key, period in self.state_periods.items() if t % period == 0]
-        return names
+        return [
+            name for name, period in self.periods.items()
+            if t > (anchor := self._period_anchor.get(name, 0)) and (t - anchor) % period == 0
+        ]
+
+    @property
+    def periods(self) -> dict[str, int]:
+        """The current period of every quantity averaged: ``"params"`` (when ``param_sync_every`` is
+        set) and ``"state/<key>"`` per state key, with run-time changes (:meth:`set_period`) applied."""
+        out: dict[str, int] = {}
+        if self.config.param_sync_every is not None:
+            out["params"] = self._period_override.get("params", self.config.param_sync_every)
+        out.update({f"state/{key}": period for key, period in self.state_periods.items()})
+        return out
+
+    def set_period(self, name: str, period: int) -> None:
+        """Average quantity ``name`` (``"params"`` or ``"state/<key>"``) every ``period`` local steps
+        from now on: its schedule is re-anchored at the current step, so the next average is after
+        local step ``step_count + period``. Every rank must make the same change at the same step.
+
+        Raises:
+            ValueError: ``name`` is not a quantity this averager averages (naming those it does), or
+                ``period`` is not an integer >= 1.
+        """
+        known = self.periods
+        if name not in known:
+            raise ValueError(
+                f"set_period: name={name!r} is not averaged by this DES-LOC averager; it averages {sorted(known)}"
+            )
+        check_period("period", period)
+        if period == known[name]:
+            return  # unchanged: keep the phase
+        self._period_override[name] = int(period)
+        self._period_anchor[name] = self.step_count
+
+    def add_sync_observer(self, observer: Callable[["DesLocAverager", list[str]], None]) -> Callable[[], None]:
+        """Call ``observer(averager, names)`` at the end of every :meth:`after_step` that averaged
+        ``names`` (inside the optimizer step, so its collectives count in the step's traffic; never
+        for :meth:`sync_now` or :meth:`final_sync`). Returns a function that removes it."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer) if observer in self._observers else None
 
     # ------------------------------------------------------------------ state keys
     def _state_tensors(self, key: str) -> tuple[list[Tensor], list[Optional[Tensor]], list[bool]]:
@@ -350,8 +410,10 @@ class DesLocAverager:
 
     @property
     def state_periods(self) -> dict[str, int]:
-        """Periods of the state keys averaged (defaults resolved to the keys the optimizer keeps)."""
-        return dict(self._periods) if self._periods is not None else self.config.state_periods
+        """Periods of the state keys averaged (defaults resolved to the keys the optimizer keeps;
+        run-time changes by :meth:`set_period` applied)."""
+        base = dict(self._periods) if self._periods is not None else self.config.state_periods
+        return {key: self._period_override.get(f"state/{key}", period) for key, period in base.items()}
 
     def _resolve_state_keys(self) -> None:
         """Decide, once and identically on every rank, which state keys are averaged.
@@ -419,6 +481,9 @@ class DesLocAverager:
             self._params_synced_at = self.step_count
         for name in names:
             self.stats.syncs[name] = self.stats.syncs.get(name, 0) + 1
+        if names:
+            for observer in list(self._observers):
+                observer(self, names)
         return names
 
     def sync_now(self, names: Optional[list[str]] = None) -> list[str]:
@@ -499,6 +564,8 @@ class DesLocAverager:
         writes: list[tuple[list[Optional[Tensor]], list[Tensor]]] = []
         adoptions: list[tuple[Tensor, str, Tensor]] = []
         new_codec_state: Optional[tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]] = None
+        compared: dict[str, tuple[list[Tensor], list[Tensor]]] = {}  # quantity -> (this rank's values, means)
+        self.last_divergence = {}
         for name in names:
             if name == "params":
                 with stage_range(DESLOC_SYNC_PARAMS):
@@ -507,8 +574,11 @@ class DesLocAverager:
                     if self._codec is not None:
                         pairs, new_codec_state = self._compressed_param_sync(params, joined)
                         writes += pairs
+                        synced = {p: m for targets, means in pairs for p, m in zip(targets, means) if p is not None}
+                        compared[name] = (list(params), [synced[p] for p in params])
                     else:
                         writes.append((list(params), self._mean(params, "desloc/params")))
+                        compared[name] = (list(params), writes[-1][1])
                 if self.buffers:
                     with stage_range(DESLOC_SYNC_BUFFERS):
                         writes.append((self.buffers, self._mean(self.buffers, "desloc/buffers")))
@@ -518,11 +588,16 @@ class DesLocAverager:
                     if key in self._source_groups:  # a share of the tensors, averaged over the ranks that hold the same share
                         shared = list(self._sources[key]().values())
                         writes.append((list(shared), self._mean(shared, f"desloc/state/{key}", group=self._source_groups[key])))
+                        compared[name] = (shared, writes[-1][1])
                         continue
                     values, targets, held = self._state_tensors(key)
                     means = self._mean(values, f"desloc/state/{key}", held=held)
                 writes.append((targets, means))
+                kept = [i for i, (h, m) in enumerate(zip(held, means)) if h and m is not _NOBODY]
+                compared[name] = ([values[i] for i in kept], [means[i] for i in kept])
                 adoptions += self._adoptions(key, params, held, means)
+        if self.measure_divergence:
+            self.last_divergence = self._divergence(compared)
         self._write(writes)
         for p, key, mean in adoptions:
             self.optimizer.state[p][key] = mean.to(p.dtype).clone()
@@ -530,6 +605,27 @@ class DesLocAverager:
             self._synced = params
             if new_codec_state is not None:
                 self._anchor, self._residual = new_codec_state
+
+    @staticmethod
+    def _divergence(compared: Mapping[str, tuple[list[Tensor], list[Tensor]]]) -> dict[str, float]:
+        """Per quantity ``||v - m|| / ||m||`` over all its tensors, in float64, with one host read for
+        all of them (``0`` where both norms are 0, ``inf`` where only the mean's is; NaN propagates)."""
+        rows: list[Tensor] = []
+        for values, means in compared.values():
+            parts = [
+                torch.stack([(v.detach().double() - m.detach().double()).pow(2).sum(), m.detach().double().pow(2).sum()])
+                for v, m in zip(values, means)
+            ]
+            device = parts[0].device if parts else torch.device("cpu")
+            rows.append(torch.stack([part.to(device) for part in parts]).sum(0) if parts else torch.zeros(2, dtype=torch.float64))
+        table = torch.stack([row.to(rows[0].device) for row in rows]).cpu().tolist() if rows else []  # the one host read
+        out: dict[str, float] = {}
+        for name, (diff, norm) in zip(compared, table):
+            if norm > 0 or math.isnan(norm):
+                out[name] = math.sqrt(diff / norm) if not math.isnan(diff) else math.nan
+            else:
+                out[name] = 0.0 if diff == 0 else math.inf
+        return out
 
     @staticmethod
     def _write(writes: list[tuple[list[Optional[Tensor]], list[Tensor]]]) -> None:
@@ -624,8 +720,9 @@ class DesLocAverager:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Schedule position (and, with compressed sync, this worker's anchor and residual, listed in
-        the order of :meth:`parameters`)."""
+        """Schedule position, periods changed at run time (``periods``, ``period_anchors``; absent when
+        none was), and, with compressed sync, this worker's anchor and residual, listed in the order of
+        :meth:`parameters`."""
         state: dict[str, Any] = {"step_count": self.step_count, "syncs": dict(self.stats.syncs)}
         if self._codec is not None:
             params = self.parameters()
@@ -633,6 +730,9 @@ class DesLocAverager:
             state["residual"] = [self._residual.get(p, torch.zeros_like(p)).clone() for p in params]
         if self._params_synced_at is not None:
             state["params_synced_at"] = self._params_synced_at
+        if self._period_override:  # periods changed at run time, and the steps they were changed at
+            state["periods"] = dict(self._period_override)
+            state["period_anchors"] = dict(self._period_anchor)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -657,6 +757,8 @@ class DesLocAverager:
         self.stats.syncs = dict(state.get("syncs", {}))
         synced_at = state.get("params_synced_at")
         self._params_synced_at = None if synced_at is None else int(synced_at)
+        self._period_override = {str(k): int(v) for k, v in state.get("periods", {}).items()}
+        self._period_anchor = {str(k): int(v) for k, v in state.get("period_anchors", {}).items()}
         self._synced = params
         self._local_replica = None
         if "anchor" in state and self._codec is not None:

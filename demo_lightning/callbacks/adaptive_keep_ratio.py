@@ -27,8 +27,10 @@ multiplier is ``m_p = r_p / r_s`` (1 without a rule) and, before the budget::
 
 where ``k_energy_p`` is the controller's ``k`` for ``p`` (the strategy's ``k``, bounded, until the
 first measurement). So the schedule or the controller sets the level a tensor without a rule
-keeps, and the policy keeps its tensors at their ratio relative to the strategy's: the language
-preset's attention Q/K (1/32 = 2 x 1/64) keep twice the level, its feed-forward (1/128) half.
+keeps, and the policy keeps its tensors at their ratio relative to the strategy's (a rule keeping
+1/32 under the default 1/64 keeps twice the level). A preset's ratios count relative to the
+preset's own overall ratio instead: the language preset's attention Q/K keep 1.5x the level, its
+feed-forward 0.75x (see :mod:`.layer_policy`).
 The composition reads :meth:`LayerPolicy.strength_at` at this callback's own step, so the order
 of the callbacks does not change any ``k``.
 
