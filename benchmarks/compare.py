@@ -773,6 +773,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     args.method_names = names
+    if args.corpus not in CORPUS_NAMES:  # a path: absolute, so the workers (run from the repo root) read the same text
+        if not Path(args.corpus).expanduser().exists():
+            p.error(f"--corpus: {args.corpus!r} is neither a named corpus ({', '.join(CORPUS_NAMES)}) nor an existing path")
+        args.corpus = str(Path(args.corpus).expanduser().resolve())
     try:
         args.world_size_list = [int(w) for w in args.world_sizes.split(",")]
         bands = [float(b) for b in args.bandwidths.split(",")]

@@ -5,6 +5,7 @@ method at its best rate on the other corpora, model sizes, seeds and world sizes
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp    # at each method's best rate from the sweep
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp --sizes small,medium --seeds 0,1,2 --world-sizes 2,4
     .venv/bin/python benchmarks/parity.py render                     # tables from what has run so far
+    .venv/bin/python benchmarks/parity.py corpora                    # the corpora's sizes and digests here
 
 Every cell is one ``benchmarks/compare.py`` invocation (one method, one world size), written to
 ``<out>/cells/<corpus>_<size>_s<seed>_w<W>_<method>_lr<lr>/latest.json``; a cell that exists is not
@@ -45,14 +46,14 @@ METHODS = ("ddp", "demo-sign1bit", "desloc")
 TARGETS = {"demo-sign1bit": (1.05, 100.0), "desloc": (1.05, 170.0)}
 
 
-def cell_name(corpus: str, size: str, seed: int, world: int, method: str, lr: float) -> str:
+def cell_name(corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int = 520) -> str:
     safe = corpus.replace("/", "_").replace(".", "_") if corpus not in ("stdlib", "prose", "cpp") else corpus
-    return f"{safe}_{size}_s{seed}_w{world}_{method}_lr{lr:g}"
+    return f"{safe}_{size}_s{seed}_w{world}_{method}_lr{lr:g}_t{steps}"
 
 
 def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int) -> dict[str, Any]:
     """One compare.py run (or its stored result)."""
-    folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr)
+    folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps)
     done = folder / "latest.json"
     if not done.exists():
         d_model, n_layer = SIZES[size]
@@ -93,6 +94,8 @@ def sweep(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     rates = dict((k, float(v)) for k, v in (x.split("=") for x in args.lr.split(","))) if args.lr else best_rates(out)
+    (out / "rates.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / "rates.json").write_text(json.dumps(rates))  # what render reports: these rates, given or swept
     methods = args.methods.split(",")
     missing = [m for m in methods if m not in rates]
     if missing:
@@ -143,12 +146,17 @@ def render(args: argparse.Namespace) -> None:
             lines.append(f"| {r['method']} | {r['lr']:g} | {r['loss']:.4f} | {'yes' if best[r['method']] == r['lr'] else ''} |")
         (out / "sweep.md").write_text("\n".join(lines) + "\n")
     cells = _cells(out)
-    rates = best_rates(out) if (out / "sweep.json").exists() else {}
-    chosen = [c for c in cells if not rates or rates.get(c["method"]) == c["lr"]]
+    if (out / "rates.json").exists():  # the rates the last `run` used (given with --lr, or the sweep's best)
+        rates = {k: float(v) for k, v in json.loads((out / "rates.json").read_text()).items()}
+    else:
+        rates = best_rates(out) if (out / "sweep.json").exists() else {}
+    tuning = json.loads((out / "sweep.json").read_text())["corpus"] if (out / "sweep.json").exists() else None
+    chosen = [c for c in cells if not rates or (c["lr"] is not None and c["method"] in rates
+                                                and math.isclose(rates[c["method"]], c["lr"], rel_tol=1e-6))]
     groups: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
     for c in chosen:
         groups.setdefault((c["corpus"], c["size"], c["world"]), {}).setdefault(c["method"], {})[c["seed"]] = c
-    table = ["# Loss parity at each method's best swept rate", "",
+    table = ["# Loss parity at each method's rate (the sweep's best, or given to `run --lr`)", "",
              "Validation loss (nats per byte) mean over seeds (min-max); ratio = loss / DDP's at the same seed.", "",
              "| corpus | size | W | method | lr | seeds | val loss | vs DDP | bytes vs DDP | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     log_ratios: dict[str, list[float]] = {}
@@ -163,14 +171,26 @@ def render(args: argparse.Namespace) -> None:
             if method in TARGETS and ratios:
                 limit, fewer = TARGETS[method]
                 verdict = "met" if statistics.fmean(ratios) <= limit and byte_ratio >= fewer else "missed"
-                log_ratios.setdefault(method, []).extend(math.log(r) for r in ratios)
+                if corpus != tuning:  # the tuning corpus is not out of sample
+                    log_ratios.setdefault(method, []).extend(math.log(r) for r in ratios)
             table.append(f"| {corpus} | {size} | {world} | {method} | {next(iter(seeds.values()))['lr']:g} | {len(seeds)} | "
                          f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {byte_ratio:.0f}x | {verdict} |")
-    table += ["", "Geometric mean of the loss ratio to DDP over every cell and seed above:", ""]
+    table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above, the tuning corpus ({tuning}) left out:", ""]
     table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs" for m, v in sorted(log_ratios.items())]
     table += ["", "Commands: each cell's `compare.py` command is in `cells/<cell>/latest.json` (`meta.command`)."]
     (out / "latest.md").write_text("\n".join(table) + "\n")
     print("\n".join(lines + [""] + table))
+
+
+def corpora(max_bytes: int) -> None:
+    """Print every named corpus's size and split on this machine (what the README's corpus table says)."""
+    from demo_lightning.data import CORPORA, corpus_digest, corpus_documents, load_corpus
+
+    for name in CORPORA:
+        docs = corpus_documents(name)  # type: ignore[arg-type]
+        train, val = load_corpus(name, max_bytes)  # type: ignore[arg-type]
+        print(f"{name}: {len(docs):,} documents, {sum(len(d.data) for d in docs):,} bytes in all; at max_bytes {max_bytes:,}: "
+              f"train {len(train):,}, validation {len(val):,} bytes, digest {corpus_digest(train, val)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--world-sizes", default="2")
     r.add_argument("--methods", default=",".join(METHODS))
     r.add_argument("--lr", default="", help="METHOD=RATE,... instead of the sweep's best rates")
+    c = sub.add_parser("corpora", help="every named corpus's documents, bytes and digest on this machine")
+    c.add_argument("--max-bytes", type=int, default=4_000_000)
     d = sub.add_parser("render", help="tables from the cells run so far")
     for q in (s, r):
         q.add_argument("--steps", type=int, default=520)
@@ -198,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.stage == "sweep":
         sweep(args)
+    elif args.stage == "corpora":
+        corpora(args.max_bytes)
     elif args.stage == "run":
         unknown = [x for x in args.sizes.split(",") if x not in SIZES]
         if unknown:

@@ -166,9 +166,24 @@ def test_controller_calibrates_only_after_start_step_and_only_its_quantities() -
     for t in range(1, 9):
         _train_step(model, opt, t)
         avg.after_step()
-    assert [h["step"] for h in ctl.history] == [8] and set(ctl.targets) == {"state/exp_avg"}  # step 4 is not after 4
+    assert [h["step"] for h in ctl.history] == [8]  # step 4 is not after 4
+    assert set(ctl.last_divergence) == {"state/exp_avg"}  # only its quantity was agreed on
+    assert ctl.targets == {}  # one process: the divergence is 0, which calibrates nothing
     ctl.remove()
     assert not avg.measure_divergence
+
+
+def test_a_zero_first_divergence_calibrates_nothing_and_the_next_drift_does() -> None:
+    """Identical replicas (DeMo keeps them so) measure 0: no target yet, so the period is not frozen."""
+    model = nn.Linear(4, 4)
+    avg = DesLocAverager(torch.optim.SGD(model.parameters(), lr=0.1), DesLocConfig(param_sync_every=4, state_sync_every={}))
+    ctl = AdaptivePeriodController(avg, AdaptivePeriodsConfig())
+    ctl.update(4, {"params": 0.0})
+    assert ctl.targets == {} and avg.periods == {"params": 4}
+    ctl.update(8, {"params": 0.02})  # the first drift sets the target
+    assert ctl.targets == {"params": 0.02} and avg.periods == {"params": 4}
+    ctl.update(12, {"params": 0.005})  # below 0.5 x target: twice as long
+    assert avg.periods == {"params": 8}
 
 
 # ---------------------------------------------------------------- two gloo workers, different data

@@ -95,3 +95,17 @@ def test_this_installation_has_all_three_corpora() -> None:
     module = TextDataModule(corpus="prose", block_size=32, max_bytes=100_000)
     module.setup("fit")
     assert module.train_set is not None and len(module.train_set) > 1000
+
+
+def test_path_and_a_named_corpus_together_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"either path=.*or corpus=.*not both"):
+        TextDataModule(path=str(tmp_path), corpus="prose")
+    with pytest.raises(ValueError, match="max_bytes must be an integer >= 2"):
+        load_corpus("stdlib", max_bytes=1)
+
+
+def test_the_caps_stop_both_splits_at_their_share(installation: Path) -> None:
+    train, val = load_corpus("prose", max_bytes=2_000, val_fraction=0.1)  # caps 1,800 and 200
+    assert (len(train), len(val)) == (1_800, 200)
+    train, val = load_corpus("stdlib", max_bytes=1_000, val_fraction=0.3)  # caps 700 and 300
+    assert (len(train), len(val)) == (600, 300)  # the training file (test/t.py) holds only 600 bytes

@@ -18,7 +18,7 @@ import parity  # noqa: E402
 
 
 def _cell(out: Path, corpus: str, seed: int, method: str, lr: float, loss: float, ratio: float) -> None:
-    folder = out / "cells" / parity.cell_name(corpus, "small", seed, 2, method, lr)
+    folder = out / "cells" / parity.cell_name(corpus, "small", seed, 2, method, lr, 10)
     folder.mkdir(parents=True)
     meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": seed, "lr": lr,
             "d_model": 128, "n_layer": 2}
@@ -38,6 +38,8 @@ def test_render_uses_the_swept_rates_and_reports_spread_ratio_and_geometric_mean
     _cell(tmp_path, "prose", 0, "demo-sign1bit", 1e-3, 9.9, 120.0)  # not the best rate: left out
     _cell(tmp_path, "cpp", 0, "ddp", 1e-3, 1.0, 1.0)
     _cell(tmp_path, "cpp", 0, "demo-sign1bit", 3e-3, 1.1, 90.0)
+    _cell(tmp_path, "stdlib", 0, "ddp", 1e-3, 2.0, 1.0)  # the tuning corpus: in the table, not in the mean
+    _cell(tmp_path, "stdlib", 0, "demo-sign1bit", 3e-3, 3.0, 120.0)
     parity.render(type("Args", (), {"out": str(tmp_path)})())
     table = (tmp_path / "latest.md").read_text()
     prose = next(line for line in table.splitlines() if line.startswith("| prose") and "demo-sign1bit" in line)
@@ -47,10 +49,16 @@ def test_render_uses_the_swept_rates_and_reports_spread_ratio_and_geometric_mean
     geo = math.exp((math.log(1.02) + math.log(1.0) + math.log(1.1)) / 3)
     assert f"- demo-sign1bit: {geo:.4f}x over 3 runs" in table
     assert "| demo-sign1bit | 0.003 | 2.2000 | yes |" in (tmp_path / "sweep.md").read_text()
+    # rates given to `run --lr` replace the sweep's in the report (the cells exist, so nothing runs)
+    parity.main(["run", "--corpora", "prose", "--seeds", "0", "--methods", "demo-sign1bit", "--lr", "demo-sign1bit=0.001",
+                 "--steps", "10", "--out", str(tmp_path)])
+    table = (tmp_path / "latest.md").read_text()
+    assert "| prose | small | 2 | demo-sign1bit | 0.001 | 1 | 9.9000 |" in table
 
 
 def test_run_without_a_sweep_or_rates_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="run `benchmarks/parity.py sweep` first"):
         parity.main(["run", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as info:
         parity.main(["run", "--sizes", "huge", "--out", str(tmp_path)])
+    assert info.value.code == 2  # argparse's usage error (--sizes: unknown ['huge']), before any sweep is read

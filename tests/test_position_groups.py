@@ -225,6 +225,12 @@ def test_groups_stay_inside_a_run_and_the_plan_digest_names_the_setting() -> Non
     params = [nn.Parameter(torch.randn(32, 64))]
     digests = {g: DeMoExchange(torch.optim.SGD(params, lr=0.1), _config(g)).plan_digest() for g in (1, 2)}
     assert digests[1] != digests[2]  # ranks with different group sizes fail the per-step plan check
+    named = []
+    for name in ("blocks.0.fc.weight", "head.weight"):  # the same tensors, named differently on two ranks
+        exchange = DeMoExchange(torch.optim.SGD(params, lr=0.1), _config(2))
+        exchange.set_parameter_names({params[0]: name})
+        named.append(exchange.plan_digest())
+    assert named[0] != named[1] != digests[2]  # the roles decide the wire layout, so they are in the digest
 
 
 def test_on_the_bundled_gpt_groups_join_the_same_projection_of_consecutive_blocks() -> None:
@@ -266,3 +272,22 @@ def test_on_the_bundled_gpt_groups_join_the_same_projection_of_consecutive_block
     mixed = [item for item in unnamed._momentum.plan.tensors if item.shares_with is not None
              and block_role(names[params[item.position]]) != block_role(names[params[item.shares_with.position]])]
     assert mixed
+
+
+def test_groups_form_when_a_blocks_tensors_keep_different_k() -> None:
+    """Per-kind keep ratios (a LayerPolicy preset) put a block's projections in different families; each
+    family's tensors of a bucket still make one run, so the same projection of the two blocks groups."""
+    from demo_lightning.algorithms.config import TensorCodec
+
+    shapes = [(192, 64), (64, 64), (256, 64), (64, 256)] * 2
+    ratios = [0.12, 0.08, 0.06, 0.06] * 2
+    config = CodecConfig(chunk=64, dense_below=0, position_group_size=2)
+    plan = build_plan(config, [torch.empty(s) for s in shapes], [TensorCodec(keep_ratio=r) for r in ratios])
+    shared = {(item.position, item.shares_with.position) for item in plan.tensors if item.shares_with is not None}
+    assert shared == {(4, 0), (5, 1), (6, 2), (7, 3)}  # block 1's projections use block 0's positions
+    for bucket in plan.buckets:
+        assert len({id(run.family) for run in bucket}) == len(bucket)  # one run per family and bucket
+        for run in bucket:
+            assert [m.tile_offset for m in run.members] == sorted(m.tile_offset for m in run.members)
+            rows = [r for m in run.members for r in range(m.tile_offset, m.tile_offset + m.n_tiles)]
+            assert rows == list(range(run.rows.start, run.rows.stop))  # consecutive rows of the family

@@ -30,9 +30,12 @@ Measurements are mean relative divergences at the sync, i.e. over the last ``K_q
 the drift per sync, not per step. The controller neither reads gradients nor adds host syncs
 outside the syncs it measures.
 
+A first measurement of exactly 0 (replicas identical, as a DeMo exchange keeps them) calibrates
+nothing: the target is the first non-zero one.
+
 Failure behaviour: a divergence that is not finite on any rank (NaN or inf: the mean over the
-ranks then is not finite on every rank) leaves every period as it is, on every rank, and warns
-once. A configuration that names unknown quantities raises ``ValueError`` naming the argument when
+ranks then is not finite on every rank) leaves that quantity's period as it is, on every rank, and
+warns once; the other quantities adapt as usual. A configuration that names unknown quantities raises ``ValueError`` naming the argument when
 attached. The controller keeps no copy of the periods: the averager owns them (and checkpoints
 them); the controller's :meth:`state_dict` holds the targets and the history.
 """
@@ -256,11 +259,10 @@ class AdaptivePeriodController:
                 continue
             target = self.targets.get(name, self.config.target_of(name))
             if target is None:  # calibrate: the drift the current period allowed
-                self.targets[name] = float(d)
+                if d > 0:  # identical replicas (DeMo keeps them so) give no scale: wait for a drift
+                    self.targets[name] = float(d)
                 continue
             self.targets[name] = float(target)
-            if target <= 0:  # replicas identical at calibration: no scale to compare with
-                continue
             low, high = self.config.bounds(name)
             if name != "params" and self.config.states_follow_params and "params" in periods:
                 low = max(low, periods["params"])

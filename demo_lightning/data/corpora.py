@@ -32,8 +32,8 @@ Three kinds of text, so a default chosen on one can be checked on the others:
 
 Each corpus reads documents in that order until both splits hold their share of ``max_bytes``
 (``val_fraction`` of it for validation). What is installed decides the bytes: :func:`corpus_digest`
-names the result, and the benchmarks record it beside their figures. ``python -m
-demo_lightning.data.corpora`` prints every corpus's documents and bytes on this machine.
+names the result, and the benchmarks record it beside their figures. ``python benchmarks/parity.py
+corpora`` prints every corpus's documents, bytes and digest on this machine.
 """
 
 from __future__ import annotations
@@ -108,10 +108,10 @@ def _files(root: Path, suffixes: set[str], skip_site: bool = True, skip_tests: b
         yield rel, f
 
 
-def _stdlib_documents() -> list[Document]:
+def _stdlib_documents() -> Iterator[Document]:
     # the library's default corpus since its first release: every .py file, test folders included
     root = stdlib_source_root()
-    return [Document(rel, f.read_bytes()) for rel, f in _files(root, {".py"}, skip_tests=False) if f.suffix == ".py"]
+    return (Document(rel, f.read_bytes()) for rel, f in _files(root, {".py"}, skip_tests=False) if f.suffix == ".py")
 
 
 def _is_prose(data: bytes) -> bool:
@@ -156,10 +156,9 @@ def _prose_documents() -> list[Document]:
     return out
 
 
-def _cpp_documents() -> list[Document]:
+def _cpp_documents() -> Iterator[Document]:
     roots = [("include", Path(sysconfig.get_paths()["include"]))] + [("site", r) for r in _site_roots()]
     seen: set[bytes] = set()
-    out = []
     for label, root in roots:
         for rel, f in _files(root, _CPP_SUFFIXES, skip_site=False):
             data = f.read_bytes()
@@ -171,8 +170,7 @@ def _cpp_documents() -> list[Document]:
             if not data or digest in seen:
                 continue
             seen.add(digest)
-            out.append(Document(f"{label}/{rel}", data))
-    return out
+            yield Document(f"{label}/{rel}", data)
 
 
 def corpus_documents(name: CorpusName) -> list[Document]:
@@ -181,13 +179,19 @@ def corpus_documents(name: CorpusName) -> list[Document]:
     Raises:
         ValueError: an unknown ``name``.
     """
+    return list(_documents(name))
+
+
+def _documents(name: str) -> Iterable[Document]:
+    """The documents of ``name`` as they are read (``"stdlib"`` and ``"cpp"`` lazily: a split that
+    fills its caps early reads no further; ``"prose"`` must see them all to drop the duplicates)."""
     check_choice("corpus", name, CORPORA, "or give a path to your own text (a file or a folder)")
     return {"stdlib": _stdlib_documents, "prose": _prose_documents, "cpp": _cpp_documents}[name]()
 
 
 def _caps(max_bytes: int, val_fraction: float) -> tuple[int, int]:
-    if max_bytes <= 0:
-        raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 2:
+        raise ValueError(f"max_bytes must be an integer >= 2 (bytes of both splits together), got {max_bytes!r}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     return max_bytes - int(max_bytes * val_fraction), max(1, int(max_bytes * val_fraction))
@@ -235,7 +239,7 @@ def load_corpus(name: CorpusName, max_bytes: int = 8_000_000, val_fraction: floa
         FileNotFoundError: this installation holds no document of the corpus.
     """
     _caps(max_bytes, val_fraction)
-    documents = corpus_documents(name)
+    documents = _documents(name)
     if name == "prose":
         train, val = split_by_position(documents, max_bytes, val_fraction)
     else:
@@ -253,21 +257,3 @@ def corpus_digest(train: bytes, val: bytes) -> str:
     h.update(train)
     h.update(val)
     return h.hexdigest()[:16]
-
-
-def _main() -> None:  # pragma: no cover - a report for people
-    import argparse
-
-    p = argparse.ArgumentParser(description="print every named corpus's documents and bytes on this machine")
-    p.add_argument("--max-bytes", type=int, default=4_000_000)
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    args = p.parse_args()
-    for name in CORPORA:
-        docs = corpus_documents(name)  # type: ignore[arg-type]
-        train, val = load_corpus(name, args.max_bytes, args.val_fraction)  # type: ignore[arg-type]
-        print(f"{name}: {len(docs)} documents, {sum(len(d.data) for d in docs):,} bytes in all; at --max-bytes {args.max_bytes:,}: "
-              f"train {len(train):,}, validation {len(val):,} bytes, digest {corpus_digest(train, val)}")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _main()

@@ -112,6 +112,8 @@ class TextDataModule(TrainValDataModule):
     ) -> None:
         super().__init__()
         check_choice("corpus", corpus, CORPORA, "or give path= your own text (a file or a folder)")
+        if path is not None and corpus != "stdlib":
+            raise ValueError(f"give either path= (your own text) or corpus= (a named corpus), not both: got path={path!r}, corpus={corpus!r}")
         self.path, self.corpus, self.block_size, self.batch_size = path, corpus, block_size, batch_size
         self.max_bytes, self.val_fraction, self.max_val_bytes = max_bytes, val_fraction, max_val_bytes
         self.num_workers = num_workers

@@ -10,7 +10,8 @@ plan. Stages read it:
   gives each tile's first element there (``origins``) and its matrix's row length (``strides``),
   so one selection, one gather and one scatter serve the whole family;
 * a **bucket** is one collective of at most ``bucket_cap_mb`` megabytes; within it a **run** is
-  consecutive tensors of one family, packed, sent and decoded together;
+  the bucket's tensors of one family (consecutive rows of the family, whatever other families lie
+  between them in plan order), packed, sent and decoded together, in order of first appearance;
 * a **dense group** is the small tensors (below ``dense_below``) of one compute dtype and device,
   summed by one fp32 all-reduce;
 * a **position group** (``config.position_group_size > 1``, top-k only) is up to that many tensors of
@@ -310,8 +311,11 @@ def build_plan(
             buckets.append([])
             size = 0
         bucket = buckets[-1]
-        if bucket and bucket[-1].family is family and family.members and bucket[-1].members[-1] is family.members[-1]:
-            bucket[-1].members.append(item)  # the family's next rows: same run
+        # the family's next rows join its run in this bucket (tensors of other families may lie between
+        # them in plan order: a block's projections keeping different k), so a run is one family per bucket
+        run = next((r for r in bucket if r.family is family and family.members and r.members[-1] is family.members[-1]), None)
+        if run is not None:
+            run.members.append(item)
         else:
             bucket.append(Run(family, [item]))
         family.members.append(item)
