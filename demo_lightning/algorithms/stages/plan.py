@@ -198,10 +198,16 @@ class Run:
     def coefficients(self) -> int:
         return sum(m.n_tiles for m in self.members) * self.family.k
 
-    @property
+    @cached_property
     def positioned(self) -> tuple[bool, ...]:
-        """Per member, whether its segment carries positions (``False``: it uses its group's)."""
+        """Per member, whether its segment carries positions (``False``: it uses its group's); read
+        once the plan is built (the exchange asks every step)."""
         return tuple(m.shares_with is None for m in self.members)
+
+    @cached_property
+    def shares_positions(self) -> bool:
+        """Some member uses another's positions (a position group)."""
+        return not all(self.positioned)
 
     @cached_property
     def carrier_rows(self) -> Tensor:

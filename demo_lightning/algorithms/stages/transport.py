@@ -100,7 +100,7 @@ class _GatheredBucket:
             for out in self.outgoing:  # one run at a time (the peak is one run decoded), lazily
                 run = out.run
                 with stage_range(self.names.unpack):  # closed before the yield: no range stays open across it
-                    shared = cfg.sends_positions and not all(run.positioned)
+                    shared = cfg.sends_positions and run.shares_positions
                     positions, values = unpack_segments(
                         rank_buf[offset : offset + run.nbytes], run.tiles, run.family.k, run.family.tile_numel,
                         cfg.value_format, run.positioned if shared else cfg.sends_positions, cfg.fp16_share,
@@ -129,7 +129,7 @@ class AllGatherTransport:
                 run = out.run
                 positions: Optional[Tensor] = out.positions if cfg.sends_positions else None
                 positioned = None
-                if positions is not None and not all(run.positioned):  # position groups: carriers' rows only
+                if positions is not None and run.shares_positions:  # position groups: carriers' rows only
                     positions, positioned = positions.index_select(0, run.carrier_rows), run.positioned
                 buf, decoded = pack_segments(positions, out.values, run.tiles, run.family.tile_numel, cfg.value_format,
                                              cfg.fp16_share, positioned)
