@@ -256,6 +256,13 @@ METHODS["demo-groups2-k108"] = Method(
     {"value_format": "sign", "position_group_size": 2, "topk": 108},
 )
 
+# issue 18, the default's k against the number of workers: an explicit k at every W (64: the default before the
+# rule; 32: W = 4's k under it, so W * k = 128 coefficients of every tile reach every worker per step)
+for _k in (32, 64):
+    METHODS[f"demo-sign1bit-k{_k}"] = Method(
+        f"DeMo top-k {_k}/4096 at every world size, 1-bit signs, SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign", "topk": _k},
+    )
+
 # ---------------------------------------------------------------------------------------------- worker
 def _callbacks(method: Method) -> list[Any]:
     out: list[Any] = []

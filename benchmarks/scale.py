@@ -46,7 +46,7 @@ from typing import Any, Optional, Sequence
 
 from demo_lightning.algorithms.config import CodecConfig
 from demo_lightning.comm import NodeTopology, human_bytes
-from demo_lightning.planning import METHODS, Estimate, estimate, gpt_like_shapes
+from demo_lightning.planning import METHODS, Estimate, estimate, gpt_like_shapes, strength_text
 
 RESULTS = Path(__file__).parent / "results" / "scale"
 WORLD_SIZES = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -325,7 +325,7 @@ def _shown(path: Path) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--topk", type=int, default=None, help="DeMo coefficients per tile (default 64)")
+    p.add_argument("--topk", type=int, default=None, help="DeMo coefficients per tile (default: the library's, by the number of DeMo workers)")
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--value-format", default="sign", help="flat/hierarchical value format (the shared methods use it when a float format, else bf16)")
     p.add_argument("--intra-gbps", type=float, default=400.0, help="each rank's intra-node link, Gbit/s (default 400)")
@@ -345,12 +345,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         "small GPT (3.2 M, d_model 256, 4 layers)": (small_gpt_shapes(), args.compute_small_s),
         "synthetic GPT-like 1.2e9 (d_model 1856, 29 blocks)": (gpt_like_shapes(1_200_000_000), args.compute_large_s),
     }
-    topk, keep = codec.strength
     text = [
         "# Communication at scale (modelled)",
         "",
         f"Command: `{' '.join(['python benchmarks/scale.py', *(argv if argv is not None else sys.argv[1:])])}`. "
-        f"Codec: chunk {codec.chunk}, topk {topk}, {codec.value_format} values (shared methods: "
+        f"Codec: chunk {codec.chunk}, {strength_text(codec)}, {codec.value_format} values (shared methods: "
         f"{codec.value_format if codec.value_format in ('fp32', 'bf16', 'fp16') else 'bf16'}); intra-node {args.intra_gbps:g} Gbit/s per rank; "
         f"latency {args.latency_ms:g} ms per inter-node hop, {args.intra_latency_ms:g} ms per intra-node hop. "
         "Bytes: per worker per optimizer step on the inter-node link (the ledger's charge); in brackets DDP's / this. "

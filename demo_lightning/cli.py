@@ -91,7 +91,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-ms", type=_number(0, False), default=0.5, help="per ring hop across nodes, ms (default 0.5, as CommunicationMonitor)")
     parser.add_argument("--intra-latency-ms", type=_number(0, False), default=0.01, help="per ring hop inside a node, ms (default 0.01)")
     parser.add_argument("--d-model", type=positive_int, default=None, help="width of the GPT-like shapes (default: depth about d_model / 64)")
-    parser.add_argument("--topk", type=positive_int, default=None, help="DeMo coefficients kept per tile (default 64)")
+    parser.add_argument("--topk", type=positive_int, default=None, help="DeMo coefficients kept per tile (default: clamp(128 // W, 8, 64) for an all-gathered exchange over W DeMo workers, 64 for an all-reduced one)")
     parser.add_argument("--keep-ratio", type=positive, default=None, help="fraction of each tile kept (instead of --topk)")
     parser.add_argument("--chunk", type=positive_int, default=64, help="DeMo tile side (default 64)")
     parser.add_argument("--value-format", choices=VALUE_FORMATS, default="sign", help="DeMo value format (default sign)")
@@ -137,12 +137,11 @@ def plan_main(argv: Sequence[str]) -> None:
 
 
 def _plan_header(a: argparse.Namespace, codec: Any, shapes: list[tuple[int, ...]], estimates: dict[str, Any]) -> str:
-    from demo_lightning.planning import gpt_like_dims
+    from demo_lightning.planning import gpt_like_dims, strength_text
 
     d, blocks = gpt_like_dims(a.params, a.d_model)
     dense = sum(1 for s in shapes if codec.layout(s)[0] is None)
-    topk, keep = codec.strength
-    strength = f"topk {topk}" if topk is not None else f"keep ratio {keep:g}"
+    strength = strength_text(codec)
     shared = next((e.value_format for m, e in estimates.items() if "shared" in m), None)
     return "\n".join([
         f"Plan for {a.params:,} parameters (GPT-like shapes: d_model {d}, {blocks} blocks; {len(shapes)} tensors, {dense} "

@@ -74,7 +74,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from demo_lightning.algorithms.config import WIRE_DTYPES, CodecConfig
+from demo_lightning.algorithms.config import DEFAULT_TOPK, GATHERED_PER_TILE, MIN_DEFAULT_TOPK, WIRE_DTYPES, CodecConfig
 from demo_lightning.codec import positions_nbytes, values_nbytes
 from demo_lightning.comm.ledger import CollectiveOp, human_bytes, ring_all_gather_bytes, ring_all_reduce_bytes
 from demo_lightning.comm.topology import Link, NodeTopology, split_by_payload
@@ -94,6 +94,7 @@ __all__ = [
     "modeled_collectives",
     "pick",
     "shard",
+    "strength_text",
 ]
 
 Method = Literal["ddp", "flat", "hierarchical", "shared", "hierarchical+shared"]
@@ -310,6 +311,22 @@ def _shared_format(codec: CodecConfig, shared_value_format: Optional[str]) -> st
     return check_choice("shared_value_format", shared_value_format, SHARED_VALUE_FORMATS, "the shared values are summed by an all-reduce")
 
 
+def strength_text(codec: CodecConfig) -> str:
+    """How many coefficients per tile the codec keeps, in words (for plan headers)."""
+    if codec.topk is None and codec.keep_ratio is None:
+        return f"topk by workers W (all-gathered: clamp({GATHERED_PER_TILE} // W, {MIN_DEFAULT_TOPK}, {DEFAULT_TOPK}); all-reduced: {DEFAULT_TOPK})"
+    return f"topk {codec.topk}" if codec.topk is not None else f"keep ratio {codec.keep_ratio:g}"
+
+
+def _resolved(codec: CodecConfig, topology: NodeTopology, method: str) -> CodecConfig:
+    """The codec as the method's exchange runs it: the default k resolved for its DeMo workers
+    (:meth:`CodecConfig.for_workers`: all ``W`` ranks for ``flat``, the ``N`` nodes under the
+    hierarchy; the shared methods all-reduce their values and keep the codec's k)."""
+    if method == "ddp" or "shared" in method:
+        return codec
+    return codec.for_workers(topology.world_size if method == "flat" else topology.num_nodes)
+
+
 def _collectives_of(
     tensors: Sequence[_Tensor], topology: NodeTopology, method: str, codec: CodecConfig, rank: int, ddp_bucket_cap_mb: float,
     step: Optional[int] = None,
@@ -363,6 +380,7 @@ def modeled_collectives(
     check_int("rank", rank, 0, "a rank of the topology")
     if rank >= topology.world_size:
         raise ValueError(f"rank must be below the topology's world size {topology.world_size}, got {rank}")
+    codec = _resolved(codec, topology, method)
     tensors = _tensors(tuple(shapes), codec, _shared_format(codec, shared_value_format))
     if step is not None:
         check_int("step", step, 0, "the exchange's index")
@@ -504,6 +522,7 @@ def estimate(
     inter_latency = _check_non_negative("latency_ms", latency_ms) / 1000
     intra_latency = _check_non_negative("intra_latency_ms", intra_latency_ms) / 1000
     _check_positive("ddp_bucket_cap_mb", ddp_bucket_cap_mb)
+    codec = _resolved(codec, topology, method)
     shared_format = _shared_format(codec, shared_value_format)
     tensors = _tensors(tuple(shapes), codec, shared_format)
     g = topology.ranks_per_node

@@ -62,3 +62,30 @@ def test_run_without_a_sweep_or_rates_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
         parity.main(["run", "--sizes", "huge", "--out", str(tmp_path)])
     assert info.value.code == 2  # argparse's usage error (--sizes: unknown ['huge']), before any sweep is read
+
+
+def _cell_w(out: Path, corpus: str, world: int, method: str, lr: float, loss: float, ratio: float) -> None:
+    folder = out / "cells" / parity.cell_name(corpus, "small", 0, world, method, lr, 10)
+    folder.mkdir(parents=True)
+    meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": 0, "lr": lr, "d_model": 128, "n_layer": 2}
+    record = {"method": method, "world_size": world, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
+              "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1}
+    (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+
+
+def test_an_explicit_k_equal_to_the_default_answers_for_the_default_and_other_rates_are_listed(tmp_path: Path) -> None:
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-sign1bit-k32": 1e-3, "demo-sign1bit-k64": 1e-3}))
+    _cell_w(tmp_path, "prose", 4, "ddp", 1e-3, 2.0, 1.0)
+    _cell_w(tmp_path, "prose", 4, "demo-sign1bit-k32", 1e-3, 2.08, 103.0)  # the default's k at 4 workers
+    _cell_w(tmp_path, "prose", 4, "demo-sign1bit-k64", 1e-3, 2.04, 62.0)  # not the default there
+    _cell_w(tmp_path, "prose", 4, "demo-sign1bit-k32", 2e-3, 2.5, 103.0)  # another rate: an ablation row
+    parity.render(type("Args", (), {"out": str(tmp_path)})())
+    table = (tmp_path / "latest.md").read_text()
+    assert "| demo-sign1bit-k32 (the default at W = 4) | 0.001 | 1 | 2.0800 | 1.0400x | 103x | met |" in table
+    assert "| demo-sign1bit-k64 | 0.001 | 1 | 2.0400 | 1.0200x | 62x |  |" in table  # no target: not what strategy="demo" runs at 4
+    assert "- demo-sign1bit: 1.0400x over 1 runs" in table
+    assert "| prose | small | 4 | demo-sign1bit-k32 | 0.002 | 0 | 2.5000 | 1.2500x | 103x |" in table.split("Other rates", 1)[1]
+    # a later run with a rate for one method keeps the rates given before
+    parity.main(["run", "--corpora", "prose", "--world-sizes", "4", "--methods", "ddp", "--lr", "ddp=0.001", "--steps", "10",
+                 "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "rates.json").read_text())["demo-sign1bit-k32"] == 1e-3

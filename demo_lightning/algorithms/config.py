@@ -5,7 +5,7 @@ hold a :class:`CodecConfig`; :class:`TensorCodec` is one tensor's departures fro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional, get_args
 
 import torch
@@ -15,14 +15,38 @@ from demo_lightning.codec import DEFAULT_HEAD_SHARE, positions_nbytes, segment_n
 from demo_lightning.codec.bases import TRANSFORMS, Transform
 from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
 
-__all__ = ["DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection", "TensorCodec", "compute_dtype"]
+__all__ = [
+    "DEFAULT_TOPK", "GATHERED_PER_TILE", "MIN_DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection",
+    "TensorCodec", "compute_dtype", "default_topk",
+]
 
 DEFAULT_TOPK = 64
+"""The default coefficients per tile at one or two workers (an all-gathered exchange), and at every
+``W`` for an all-reduced one (``"shared"``, low-pass float values)."""
+GATHERED_PER_TILE = 128
+"""``W * k``: the coefficients of each tile that reach every worker per step under the default k."""
+MIN_DEFAULT_TOPK = 8
+"""The default k never goes below this (from 16 workers on, the all-gather's bytes grow with W again)."""
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ExchangeSelection = Literal["topk", "lowpass", "shared"]
 """Which coefficients a worker sends: its own top-k per tile, the fixed lowest frequencies, or the
 positions one worker chose for everybody this step (``"shared"``, see :class:`CodecConfig`)."""
 EXCHANGE_SELECTIONS: tuple[str, ...] = get_args(ExchangeSelection)
+
+
+def default_topk(workers: int) -> int:
+    """The default coefficients per tile for an all-gathered exchange over ``workers`` DeMo workers
+    (issue 18): ``clamp(128 // W, 8, 64)``, so ``W * k`` stays 128 (64 at 2 workers, 32 at 4, 16 at 8).
+
+    Why: with the all-gather every worker receives the ``W - 1`` others' payloads, so at a fixed k
+    its bytes grow with ``W - 1`` while DDP's ring all-reduce stays about ``8 n`` a worker: at k 64
+    the default moved 106x fewer bytes than DDP at 2 workers but 62x at 4. Holding ``W * k`` keeps
+    the ratio about constant and the decoded update about as dense (the sum of ``W`` sparse
+    components, then its sign); measured at 2 and 4 workers over three corpora
+    (``benchmarks/parity.py``). Under ``hierarchy="node"`` the DeMo workers are the nodes.
+    """
+    workers = check_int("workers", workers, 1, "DeMo workers in the exchange")
+    return max(MIN_DEFAULT_TOPK, min(DEFAULT_TOPK, GATHERED_PER_TILE // workers))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,8 +60,12 @@ class CodecConfig:
 
     Args:
         chunk: tile side: 2-D views are cut into ``chunk`` x ``chunk`` tiles, 1-D into ``chunk``-long ones.
-        topk: coefficients kept per tile (clamped to the tile size); 64 when neither this nor
-            ``keep_ratio`` is given (1.6 % of a 64x64 tile; the paper used 32 with fp32 values).
+        topk: coefficients kept per tile (clamped to the tile size). When neither this nor
+            ``keep_ratio`` is given, the exchange resolves it from its number of workers ``W``
+            (:meth:`for_workers`): for an all-gathered exchange :func:`default_topk` ``(W)`` =
+            ``clamp(128 // W, 8, 64)`` (64 at 2 workers: 1.6 % of a 64x64 tile; 32 at 4), so the bytes
+            per worker do not grow with ``W`` up to 16; 64 for an all-reduced one. (The paper used 32
+            with fp32 values.) Unresolved, :attr:`strength` reads 64.
         keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
         selection: ``"topk"`` (largest magnitudes, positions sent) or ``"lowpass"`` (fixed lowest
             frequencies, no positions; all-reduced when ``value_format`` is a float format), or
@@ -119,6 +147,15 @@ class CodecConfig:
         if self.topk is None and self.keep_ratio is None:
             return DEFAULT_TOPK, None
         return self.topk, self.keep_ratio
+
+    def for_workers(self, workers: int) -> "CodecConfig":
+        """These settings for an exchange over ``workers`` DeMo workers: with neither ``topk`` nor
+        ``keep_ratio`` given and the values all-gathered (:attr:`all_reduces` false), ``topk`` set to
+        :func:`default_topk` ``(workers)``; otherwise ``self``. Every rank of an exchange resolves
+        the same k (they agree on ``workers``)."""
+        if self.topk is not None or self.keep_ratio is not None or self.all_reduces:
+            return self
+        return replace(self, topk=default_topk(workers))
 
     @property
     def keeps_everything(self) -> bool:

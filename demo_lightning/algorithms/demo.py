@@ -92,7 +92,7 @@ import functools
 import hashlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Optional, get_args
 
 import torch
@@ -143,10 +143,14 @@ UPDATES: tuple[str, ...] = get_args(Update)
 class DeMoConfig:
     """Settings of the DeMo exchange.
 
-    Defaults (topk 64, 1-bit ``sign`` values with a per-tile scale, decay 0.99) were chosen by
-    measurement on the bundled GPT job (``benchmarks/first_figures.py``): at about the paper's
-    bytes per step (its topk 32 with fp32 values and int64 indices costs 3.7x more) they reached
-    the closest loss to AdamW + DDP. The paper's settings are
+    Defaults (topk 64 at 2 workers, 1-bit ``sign`` values with a per-tile scale, decay 0.99) were
+    chosen by measurement on the bundled GPT job (``benchmarks/first_figures.py``): at about the
+    paper's bytes per step (its topk 32 with fp32 values and int64 indices costs 3.7x more) they
+    reached the closest loss to AdamW + DDP, and held across three corpora
+    (``benchmarks/parity.py``). With neither ``topk`` nor ``keep_ratio`` given, the exchange keeps
+    ``clamp(128 // W, 8, 64)`` per tile over ``W`` DeMo workers
+    (:func:`~demo_lightning.algorithms.config.default_topk`), so its bytes per worker do not grow
+    with ``W`` up to 16. The paper's settings are
     ``DeMoConfig(CodecConfig(topk=32, value_format="fp32"), decay=0.999)``.
 
     Args:
@@ -333,11 +337,14 @@ class DeMoExchange:
         if node_groups is not None and not isinstance(node_groups, NodeGroups):
             raise TypeError(f"node_groups must be NodeGroups (demo_lightning.comm.build_node_groups) or None, got {type(node_groups).__name__}")
         self.optimizer = optimizer
-        self.config = config if config is not None else DeMoConfig()
         self.comm = communicator if communicator is not None else Communicator()
         self.node_groups = node_groups
         self.group = node_groups.inter if node_groups is not None else None
         """The group the compressed exchange runs over (``None``: the communicator's own)."""
+        config = config if config is not None else DeMoConfig()
+        self.config = replace(config, codec=config.codec.for_workers(max(1, self.comm.world_size_of(self.group))))
+        """The settings in force: the given ones, with the default k resolved for this exchange's
+        number of workers (:meth:`CodecConfig.for_workers`)."""
         self.stats = ExchangeStats()
         self.transport = transport_for(self.config.codec, self.comm, self.group, names=DEMO)
         self._owners_key: Optional[tuple] = None

@@ -496,8 +496,8 @@ class CommunicationMonitor(Callback):
         """The run's hyperparameters for the HParams tab, numbers and strings only.
 
         The strategy's (``strategy``, ``world_size``, ``num_nodes``, ``ranks_per_node``,
-        ``hierarchy``, ``nonfinite``; ``demo/<setting>`` for every DeMo setting, ``topk`` with its
-        default applied; ``desloc/<setting>`` for every DES-LOC one; ``"None"`` for what this
+        ``hierarchy``, ``nonfinite``; ``demo/<setting>`` for every DeMo setting as the exchange runs it, ``topk`` with its
+        default resolved for the exchange's number of workers; ``desloc/<setting>`` for every DES-LOC one; ``"None"`` for what this
         strategy does not use, so every run has the same columns), the trainer's
         (``trainer/accumulate_grad_batches``, ``trainer/precision``), then the module's and the
         datamodule's ``hparams`` as ``model/*`` and ``data/*``.
@@ -513,6 +513,9 @@ class CommunicationMonitor(Callback):
             "nonfinite": _hparam_value(getattr(strategy, "nonfinite", None)),
         }
         demo: Optional[DeMoConfig] = getattr(strategy, "demo_config", None)
+        exchanges = exchanges_of(trainer)
+        if demo is not None and exchanges:
+            demo = exchanges[0].config  # the settings in force: the default k resolved for the exchange's workers
         for f in fields(CodecConfig):
             out[f"demo/{f.name}"] = _hparam_value(getattr(demo.codec, f.name) if demo is not None else None)
         if demo is not None:

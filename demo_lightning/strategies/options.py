@@ -90,7 +90,11 @@ class DeMoOptions(_Options):
 
     Args:
         chunk: DCT tile side (2-D views in ``chunk`` x ``chunk`` tiles, 1-D in ``chunk``-long chunks).
-        topk: coefficients kept per tile; default 64 if neither ``topk`` nor ``keep_ratio`` is given.
+        topk: coefficients kept per tile. If neither ``topk`` nor ``keep_ratio`` is given, set from the
+            number of DeMo workers ``W`` (the ranks; the nodes under ``hierarchy="node"``) when the
+            exchange is built: ``clamp(128 // W, 8, 64)`` for an all-gathered exchange (64 at 2 workers,
+            32 at 4, 16 at 8: the bytes per worker do not grow with ``W`` up to 16), 64 for an
+            all-reduced one (``"shared"``, low-pass float values).
         keep_ratio: fraction of each tile kept, in (0, 1]; give this or ``topk``, not both.
         decay: momentum decay in [0, 1).
         selection: ``"topk"`` (each worker's largest magnitudes, positions sent), ``"lowpass"`` (fixed
