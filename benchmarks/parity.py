@@ -24,8 +24,11 @@ validation loss there. ``render`` writes ``<out>/sweep.md`` (the sweep, every ra
 ``<out>/latest.md``: per corpus, size and world size, each method's validation loss over the
 seeds (mean and min-max), its ratio to DDP's at the same seed (mean and min-max), its bytes ratio
 to DDP, and the geometric mean of the loss ratio over every cell, with the issue's targets
-(``demo-sign1bit`` <= 1.05x at >= 100x fewer bytes, ``desloc`` <= 1.05x at >= 170x). A ratio
-whose min-max spans 1.0 is no difference from DDP.
+(``demo-sign1bit`` <= 1.05x at >= 100x fewer bytes, ``desloc`` <= 1.05x at >= 170x): "met" when
+every seed's ratio is within the limit, "met on the mean" when only the mean is, else "missed". A
+ratio whose min-max spans 1.0 is no difference from DDP. Cells at other rates than a method's
+chosen one (the sweep's other rates, ablations) are listed below the table; an explicit
+``demo-sign1bit-k<K>`` at a world size whose default k is ``K`` answers for the default there.
 """
 
 from __future__ import annotations
@@ -176,7 +179,10 @@ def render(args: argparse.Namespace) -> None:
             verdict = ""
             if target in TARGETS and ratios:
                 limit, fewer = TARGETS[target]
-                verdict = "met" if statistics.fmean(ratios) <= limit and byte_ratio >= fewer else "missed"
+                if byte_ratio < fewer or statistics.fmean(ratios) > limit:
+                    verdict = "missed"
+                else:  # the mean within the limit: met by every seed, or only on the mean
+                    verdict = "met" if max(ratios) <= limit else "met on the mean (not every seed)"
                 if corpus != tuning:  # the tuning corpus is not out of sample
                     log_ratios.setdefault(target, []).extend(math.log(r) for r in ratios)
             table.append(f"| {corpus} | {size} | {world} | {label} | {next(iter(seeds.values()))['lr']:g} | {len(seeds)} | "
