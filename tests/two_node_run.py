@@ -104,6 +104,9 @@ def main() -> None:
     p.add_argument("--dense-below", type=int, default=4096)
     p.add_argument("--selection", default="topk")
     p.add_argument("--value-format", default="sign")
+    p.add_argument("--topk", type=int, default=64,
+                   help="the same k flat and hierarchical (the default would keep 32 over 4 ranks and 64 over 2 nodes), "
+                        "so the comparison of their bytes is the hierarchy's alone")
     p.add_argument("--compose", action="store_true", help="DES-LOC averaging of the residuals, AdaptiveKeepRatio, CommunicationMonitor")
     args = p.parse_args()
     out = Path(args.out)
@@ -119,6 +122,7 @@ def main() -> None:
     else:
         strategy = demo_lightning.DeMoStrategy(
             timeout=60, hierarchy=args.method, dense_below=args.dense_below, selection=args.selection, value_format=args.value_format,
+            topk=args.topk,
             state_sync_every={"demo_momentum": 2} if args.compose else None,
         )
     recorder = Recorder()
