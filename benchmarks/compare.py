@@ -277,6 +277,27 @@ def _callbacks(method: Method) -> list[Any]:
     return out
 
 
+def with_options(method: Method, options: list[str] | None) -> Method:
+    """``method`` with ``--option KEY=VALUE`` settings laid over its strategy options (VALUE read as JSON, else a string).
+
+    For ablations of one setting (``--option topk=256``, ``--option decay=0.999``) without a named method;
+    the record keeps the method's name and lists the settings under ``options``."""
+    if not options or method.kind == "ddp":  # Lightning's DDPStrategy: no settings of ours
+        return method
+    extra: dict[str, Any] = {}
+    for item in options:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--option expects KEY=VALUE (e.g. --option topk=256), got {item!r}")
+        try:
+            extra[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            extra[key.strip()] = text
+    said = ", ".join(f"{k}={v!r}" for k, v in extra.items())
+    return Method(f"{method.description}; {said}", method.kind, method.optimizer, method.lr, {**method.options, **extra},
+                  method.keep_ratio, method.sync_periods)
+
+
 def _strategy(method: Method, timeout: float) -> Any:
     import demo_lightning
 
@@ -310,7 +331,7 @@ def worker(args: argparse.Namespace) -> None:
     if profiling is not None and Path(profiling.__file__).resolve().parent == Path(demo_lightning.__file__).resolve().parent:
         StageTimes, add_sink = profiling.StageTimes, profiling.add_sink
 
-    method = METHODS[args.method]
+    method = with_options(METHODS[args.method], args.option)
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     latency = args.latency_ms / 1000
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
@@ -401,7 +422,8 @@ def worker(args: argparse.Namespace) -> None:
     pl.seed_everything(args.seed, workers=True, verbose=False)
     model = GPTLightningModule(
         block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, optimizer=method.optimizer,
-        lr=method.lr if args.lr is None else args.lr, warmup_steps=args.warmup_steps, max_steps=args.steps,
+        lr=method.lr if args.lr is None else args.lr, warmup_steps=args.warmup_steps,
+        max_steps=args.steps if args.schedule_steps is None else args.schedule_steps,
     )
     named = args.corpus in CORPUS_NAMES
     data = TextDataModule(path=None if named else args.corpus, corpus=args.corpus if named else "stdlib", block_size=args.block_size,
@@ -495,16 +517,16 @@ def run_method(name: str, world_size: int, args: argparse.Namespace, workdir: Pa
     ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{out.name}.rank*.json"))]
     if len(ranks) != world_size:
         raise SystemExit(f"{name} at {world_size} workers: {len(ranks)} rank records, expected {world_size}")
-    record = merge(name, ranks, args.warmup)
+    record = merge(name, ranks, args.warmup, args.option)
     record["wall_s"] = time.perf_counter() - start
     print(f"  val {record['final_val_loss']:.4f}  ratio {record['ratio_vs_ddp']:.1f}x  step {1000 * record['step_time_s']:.0f} ms"
           f"  exchange {100 * record['exchange_share']:.1f} %  ({record['wall_s']:.0f} s)", flush=True)
     return record
 
 
-def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+def merge(name: str, ranks: list[dict[str, Any]], warmup: int, options: list[str] | None = None) -> dict[str, Any]:
     """One record per method and world size: traffic and time from rank 0, memory the largest rank's."""
-    method = METHODS[name]
+    method = with_options(METHODS[name], options)
     r0 = next(r for r in ranks if r["rank"] == 0)
     rows = r0["rows"]
     timed = rows[warmup:] or rows
@@ -539,6 +561,7 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]
         "train_loss": [r["loss"] for r in rows], "cumulative_sent_bytes": cumulative, "library": r0.get("library"),
         "sync_periods": r0.get("sync_periods", {}),
         **({"period_changes": changes} if changes else {}),
+        **({"options": list(options)} if options and method.kind != "ddp" else {}),
     }
 
 
@@ -761,6 +784,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", default="stdlib",
                    help="a named corpus (stdlib, prose, cpp: demo_lightning.data.corpora) or a path to your own text")
     p.add_argument("--lr", type=float, default=None, help="every method's peak learning rate (default: each method's own)")
+    p.add_argument("--schedule-steps", type=int, default=None,
+                   help="the learning-rate schedule's length (default --steps): a shorter run follows a longer run's first steps")
+    p.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
+                   help="a strategy setting laid over every (non-DDP) method's own, VALUE as JSON (repeatable: --option topk=256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bandwidths", default="1,10,100", help="Gbit/s, comma-separated")
     p.add_argument("--latency-ms", type=float, default=0.5, help="per hop of a collective")
@@ -795,9 +822,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--bandwidths must be > 0 and --latency-ms >= 0")
     if args.steps < 1 or args.val_every < 1 or args.warmup < 0:
         p.error("--steps and --val-every must be >= 1, --warmup >= 0")
+    if args.schedule_steps is not None and args.schedule_steps < args.steps:
+        p.error(f"--schedule-steps ({args.schedule_steps}) must be >= --steps ({args.steps}): the run follows the schedule's first steps")
+    if args.option and not args.worker:
+        for name in names:
+            try:
+                with_options(METHODS[name], args.option)
+            except SystemExit as e:
+                p.error(str(e))
     keys = ("steps", "val_every", "d_model", "n_layer", "block_size", "batch_size", "warmup_steps", "max_bytes", "seed",
-            "bandwidths", "latency_ms", "timeout", "corpus", "lr")
+            "bandwidths", "latency_ms", "timeout", "corpus", "lr", "schedule_steps")
     args.shared = [x for k in keys if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    args.shared += [x for item in args.option or () for x in ("--option", item)]
     return args
 
 
@@ -824,6 +860,7 @@ def main(argv: list[str] | None = None) -> None:
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), torch gloo on loopback",
             "steps": args.steps, "n_trainable": records[0]["n_trainable"], "d_model": args.d_model, "n_layer": args.n_layer,
             "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed, "corpus": args.corpus, "lr": args.lr,
+            "schedule_steps": args.schedule_steps, "options": args.option,
             "corpus_digest": _corpus_digest(args),
             "bandwidths": [float(b) for b in args.bandwidths.split(",")], "latency_ms": args.latency_ms,
             "wall_s": time.perf_counter() - start,

@@ -6,6 +6,7 @@ method at its best rate on the other corpora, model sizes, seeds and world sizes
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp --sizes small,medium --seeds 0,1,2 --world-sizes 2,4
     .venv/bin/python benchmarks/parity.py render                     # tables from what has run so far
     .venv/bin/python benchmarks/parity.py corpora                    # the corpora's sizes and digests here
+    .venv/bin/python benchmarks/parity.py curves benchmarks/results/parity/cells/prose_medium_*   # training-loss windows
 
 Every cell is one ``benchmarks/compare.py`` invocation (one method, one world size), written to
 ``<out>/cells/<corpus>_<size>_s<seed>_w<W>_<method>_lr<lr>/latest.json``; a cell that exists is not
@@ -49,21 +50,51 @@ METHODS = ("ddp", "demo-sign1bit", "desloc")
 TARGETS = {"demo-sign1bit": (1.05, 100.0), "desloc": (1.05, 170.0)}
 
 
-def cell_name(corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int = 520) -> str:
+def cell_name(corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int = 520,
+              options: tuple[str, ...] = ()) -> str:
+    """The cell's folder name; ``options`` (compare.py ``--option KEY=VALUE``) add ``+KEY-VALUE`` to the method."""
     safe = corpus.replace("/", "_").replace(".", "_") if corpus not in ("stdlib", "prose", "cpp") else corpus
-    return f"{safe}_{size}_s{seed}_w{world}_{method}_lr{lr:g}_t{steps}"
+    tag = "".join(f"+{o.replace('=', '-')}" for o in options)
+    return f"{safe}_{size}_s{seed}_w{world}_{method}{tag}_lr{lr:g}_t{steps}"
 
 
-def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int) -> dict[str, Any]:
-    """One compare.py run (or its stored result)."""
-    folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps)
+def label_of(method: str, options: tuple[str, ...] | list[str] = ()) -> str:
+    """A row's name: the method, with its ``--option`` settings in brackets (``demo-sign1bit[decay=0.999]``)."""
+    return f"{method}[{','.join(options)}]" if options else method
+
+
+def default_settings(options: tuple[str, ...] | list[str]) -> bool:
+    """Whether every ``KEY=VALUE`` equals DeMoConfig's / CodecConfig's default for it, so a row run with
+    them runs what ``strategy="demo"`` runs (an explicit ``decay=0.999`` once 0.999 is the default)."""
+    from dataclasses import MISSING, fields
+
+    from demo_lightning.algorithms import CodecConfig, DeMoConfig
+
+    defaults = {f.name: f.default for cls in (DeMoConfig, CodecConfig) for f in fields(cls) if f.default is not MISSING}
+    for item in options:
+        key, _, text = item.partition("=")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        if key not in defaults or defaults[key] != value:
+            return False
+    return True
+
+
+def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int,
+             options: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One compare.py run (or its stored result); ``options`` are compare.py's ``--option`` settings
+    (DDP takes none: its cell is the same with or without them)."""
+    options = () if method == "ddp" else tuple(options)
+    folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps, options)
     done = folder / "latest.json"
     if not done.exists():
         d_model, n_layer = SIZES[size]
         cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--methods", method, "--world-sizes", str(world),
                "--corpus", corpus, "--seed", str(seed), "--d-model", str(d_model), "--n-layer", str(n_layer), "--lr", f"{lr:g}",
                "--steps", str(steps), "--val-every", str(steps), "--out", str(folder), "--workdir", str(ROOT / "runs" / "parity"),
-               "--no-plots"]
+               "--no-plots", *(x for o in options for x in ("--option", o))]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
     record = json.loads(done.read_text())["records"][0]
@@ -111,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
             for world in (int(w) for w in args.world_sizes.split(",")):
                 for seed in (int(s) for s in args.seeds.split(",")):
                     for m in methods:
-                        run_cell(out, corpus, size, seed, world, m, rates[m], args.steps)
+                        run_cell(out, corpus, size, seed, world, m, rates[m], args.steps, tuple(args.option or ()))
     render(args)
 
 
@@ -120,8 +151,10 @@ def _cells(out: Path) -> list[dict[str, Any]]:
     for done in sorted((out / "cells").glob("*/latest.json")):
         saved = json.loads(done.read_text())
         meta, record = saved["meta"], saved["records"][0]
+        options = tuple(record.get("options") or ())
         found.append({"corpus": meta.get("corpus", "stdlib"), "size": _size_of(meta), "seed": meta["seed"],
-                      "world": record["world_size"], "method": record["method"], "lr": meta.get("lr"),
+                      "world": record["world_size"], "method": label_of(record["method"], options), "base": record["method"],
+                      "options": options, "lr": meta.get("lr"),
                       "loss": record["final_val_loss"], "bytes": record["bytes_sent_per_step"],
                       "ratio": record.get("steady_ratio_vs_ddp") or record["ratio_vs_ddp"], "command": meta["command"]})
     return found
@@ -142,6 +175,8 @@ def _spread(values: list[float]) -> str:
 
 def render(args: argparse.Namespace) -> None:
     out = Path(args.out)
+    if not (out / "cells").is_dir() and not (out / "sweep.json").exists():
+        raise SystemExit(f"render: {out} holds no cells/ and no sweep.json; run `parity.py sweep` or `parity.py run` with --out {out}")
     lines: list[str] = []
     if (out / "sweep.json").exists():
         sw = json.loads((out / "sweep.json").read_text())
@@ -157,7 +192,7 @@ def render(args: argparse.Namespace) -> None:
     else:
         rates = best_rates(out) if (out / "sweep.json").exists() else {}
     tuning = json.loads((out / "sweep.json").read_text())["corpus"] if (out / "sweep.json").exists() else None
-    is_chosen = [not rates or (c["lr"] is not None and c["method"] in rates and math.isclose(rates[c["method"]], c["lr"], rel_tol=1e-6))
+    is_chosen = [not rates or (c["lr"] is not None and c["base"] in rates and math.isclose(rates[c["base"]], c["lr"], rel_tol=1e-6))
                  for c in cells]
     chosen = [c for c, keep in zip(cells, is_chosen) if keep]
     others = [c for c, keep in zip(cells, is_chosen) if not keep]
@@ -168,6 +203,8 @@ def render(args: argparse.Namespace) -> None:
              "Validation loss (nats per byte) mean over seeds (min-max); ratio = loss / DDP's at the same seed.", "",
              "| corpus | size | W | method | lr | seeds | val loss | vs DDP | bytes vs DDP | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     log_ratios: dict[str, list[float]] = {}
+    variants: dict[str, dict[tuple, float]] = {}  # rows with no target: their log ratios by (corpus, size, W, seed)
+    defaults: dict[tuple, float] = {}  # the default's (demo-sign1bit's target) log ratios, by the same keys
     for (corpus, size, world), by_method in sorted(groups.items()):
         ddp = by_method.get("ddp", {})
         for method in [m for m in METHODS if m in by_method] + sorted(set(by_method) - set(METHODS)):
@@ -185,6 +222,11 @@ def render(args: argparse.Namespace) -> None:
                     verdict = "met" if max(ratios) <= limit else "met on the mean (not every seed)"
                 if corpus != tuning:  # the tuning corpus is not out of sample
                     log_ratios.setdefault(target, []).extend(math.log(r) for r in ratios)
+                    if target == "demo-sign1bit":
+                        defaults.update({(corpus, size, world, s): math.log(seeds[s]["loss"] / ddp[s]["loss"]) for s in seeds if s in ddp})
+            elif method != "ddp" and ratios and corpus != tuning:
+                variants.setdefault(label, {}).update(
+                    {(corpus, size, world, s): math.log(seeds[s]["loss"] / ddp[s]["loss"]) for s in seeds if s in ddp})
             table.append(f"| {corpus} | {size} | {world} | {label} | {next(iter(seeds.values()))['lr']:g} | {len(seeds)} | "
                          f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {byte_ratio:.0f}x | {verdict} |")
     if others:
@@ -197,20 +239,33 @@ def render(args: argparse.Namespace) -> None:
                          f"{vs} | {c['ratio']:.0f}x |")
     table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above, the tuning corpus ({tuning}) left out:", ""]
     table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs" for m, v in sorted(log_ratios.items())]
+    if variants:
+        table += ["", "Rows without a target (settings other than a default), beside the default on the same runs:", ""]
+        for name, runs in sorted(variants.items()):
+            same = [defaults[k] for k in runs if k in defaults]
+            beside = (f"; the default {math.exp(statistics.fmean(same)):.4f}x over {len(same)} of them" if same else "")
+            table.append(f"- {name}: {math.exp(statistics.fmean(runs.values())):.4f}x over {len(runs)} runs{beside}")
     table += ["", "Commands: each cell's `compare.py` command is in `cells/<cell>/latest.json` (`meta.command`)."]
     (out / "latest.md").write_text("\n".join(table) + "\n")
     print("\n".join(lines + [""] + table))
 
 
 def _target_of(method: str, world: int, by_method: dict[str, Any]) -> tuple[str, str]:
-    """``(target, label)``: the issue's target a row answers to. ``demo-sign1bit-k<K>`` at a world
-    size whose default k is ``K`` (:func:`~demo_lightning.algorithms.config.default_topk`) runs exactly
-    what ``strategy="demo"`` runs there, so it answers for the default when that W has no
-    ``demo-sign1bit`` row of its own."""
+    """``(target, label)``: the issue's target a row answers to. A row that runs exactly what
+    ``strategy="demo"`` runs at its world size answers for the default when that W has no plain
+    ``demo-sign1bit`` row: ``demo-sign1bit-k<K>`` where ``K`` is the default k there
+    (:func:`~demo_lightning.algorithms.config.default_topk`), and either of those with ``--option``
+    settings that are all the defaults' own (:func:`default_settings`)."""
     from demo_lightning.algorithms.config import default_topk
 
-    if method.startswith("demo-sign1bit-k") and "demo-sign1bit" not in by_method and method == f"demo-sign1bit-k{default_topk(world)}":
+    base, _, rest = method.partition("[")
+    options = tuple(rest[:-1].split(",")) if rest else ()
+    if "demo-sign1bit" in by_method or method == "demo-sign1bit" or not default_settings(options):
+        return method, method
+    if base == f"demo-sign1bit-k{default_topk(world)}":
         return "demo-sign1bit", f"{method} (the default at W = {world})"
+    if base == "demo-sign1bit":
+        return "demo-sign1bit", f"{method} (the default's settings)"
     return method, method
 
 
@@ -223,6 +278,27 @@ def corpora(max_bytes: int) -> None:
         train, val = load_corpus(name, max_bytes)  # type: ignore[arg-type]
         print(f"{name}: {len(docs):,} documents, {sum(len(d.data) for d in docs):,} bytes in all; at max_bytes {max_bytes:,}: "
               f"train {len(train):,}, validation {len(val):,} bytes, digest {corpus_digest(train, val)}")
+
+
+def window_means(losses: list[float], window: int) -> list[float]:
+    """Means of consecutive ``window``-step slices of a training-loss curve (the last slice may be shorter)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return [statistics.fmean(losses[i : i + window]) for i in range(0, len(losses), window)]
+
+
+def curves(folders: list[str], window: int) -> None:
+    """Print each compare.py result folder's training loss as ``window``-step means (rank 0's batches), and its
+    final validation loss: where in a run two methods part."""
+    for folder in folders:
+        path = Path(folder) / "latest.json"
+        if not path.exists():
+            raise SystemExit(f"curves: {folder} holds no latest.json (a compare.py --out folder or a parity cell)")
+        for record in json.loads(path.read_text())["records"]:
+            means = " ".join(f"{m:.2f}" for m in window_means(record["train_loss"], window))
+            extra = f" [{', '.join(record['options'])}]" if record.get("options") else ""
+            print(f"{Path(folder).name}: {record['method']}{extra} W={record['world_size']} val {record['final_val_loss']:.4f}"
+                  f" | train loss per {window} steps: {means}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,9 +318,14 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--world-sizes", default="2")
     r.add_argument("--methods", default=",".join(METHODS))
     r.add_argument("--lr", default="", help="METHOD=RATE,... instead of the sweep's best rates")
+    r.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
+                   help="compare.py's --option for every method but ddp (repeatable); the cells are named with it")
     c = sub.add_parser("corpora", help="every named corpus's documents, bytes and digest on this machine")
     c.add_argument("--max-bytes", type=int, default=4_000_000)
     d = sub.add_parser("render", help="tables from the cells run so far")
+    v = sub.add_parser("curves", help="training loss in windows of steps, per result folder")
+    v.add_argument("folders", nargs="+", help="compare.py --out folders or parity cells")
+    v.add_argument("--window", type=int, default=40)
     for q in (s, r):
         q.add_argument("--steps", type=int, default=520)
     for q in (s, r, d):
@@ -254,6 +335,10 @@ def main(argv: list[str] | None = None) -> None:
         sweep(args)
     elif args.stage == "corpora":
         corpora(args.max_bytes)
+    elif args.stage == "curves":
+        if args.window < 1:
+            p.error(f"--window must be >= 1, got {args.window}")
+        curves(args.folders, args.window)
     elif args.stage == "run":
         unknown = [x for x in args.sizes.split(",") if x not in SIZES]
         if unknown:

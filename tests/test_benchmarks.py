@@ -148,6 +148,28 @@ def test_compare_quick_run_writes_records_plots_and_a_table_that_rerenders(tmp_p
     assert table.strip() in proc.stdout
 
 
+def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() -> None:
+    compare = _load_compare()
+    base = compare.METHODS["demo-sign1bit"]
+    got = compare.with_options(base, ["topk=256", "decay=0.999", "transform=haar"])
+    assert got.options == {"value_format": "sign", "topk": 256, "decay": 0.999, "transform": "haar"}
+    assert got.kind == base.kind and got.lr == base.lr and got.optimizer == base.optimizer
+    assert "topk=256" in got.description and base.options == {"value_format": "sign"}  # the table's method unchanged
+    assert compare.with_options(compare.METHODS["ddp"], ["topk=256"]) is compare.METHODS["ddp"]  # Lightning's DDP: none of ours
+    assert compare.with_options(base, None) is base
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        compare.with_options(base, ["topk"])
+    args = compare.parse_args(["--methods", "ddp,demo-sign1bit", "--world-sizes", "2", "--steps", "160",
+                               "--schedule-steps", "520", "--option", "topk=256", "--option", "decay=0.999"])
+    shared = args.shared
+    assert shared[shared.index("--schedule-steps") + 1] == "520" and shared[shared.index("--steps") + 1] == "160"
+    assert [shared[i + 1] for i, a in enumerate(shared) if a == "--option"] == ["topk=256", "decay=0.999"]
+    with pytest.raises(SystemExit):  # a schedule shorter than the run
+        compare.parse_args(["--steps", "160", "--schedule-steps", "100"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--methods", "demo-sign1bit", "--option", "=3"])
+
+
 def test_readme_results_are_the_rendering_of_the_committed_json() -> None:
     compare = _load_compare()
     saved = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())

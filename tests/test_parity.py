@@ -99,3 +99,53 @@ def test_a_target_met_only_on_the_mean_says_so(tmp_path: Path) -> None:
     parity.render(type("Args", (), {"out": str(tmp_path)})())
     row = next(line for line in (tmp_path / "latest.md").read_text().splitlines() if "| desloc |" in line)
     assert row.endswith("| 1.0350 (0.9900-1.0800)x | 171x | met on the mean (not every seed) |")
+
+
+def _cell_opt(out: Path, corpus: str, seed: int, method: str, loss: float, ratio: float, options: tuple[str, ...]) -> None:
+    folder = out / "cells" / parity.cell_name(corpus, "small", seed, 2, method, 1e-3, 10, options)
+    folder.mkdir(parents=True)
+    meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": seed, "lr": 1e-3,
+            "d_model": 128, "n_layer": 2}
+    record = {"method": method, "world_size": 2, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
+              "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1,
+              **({"options": list(options)} if options else {})}
+    (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+
+
+def test_option_rows_are_named_by_their_settings_and_answer_for_the_default_only_with_its_own_settings(tmp_path: Path) -> None:
+    from demo_lightning.algorithms import DeMoConfig
+
+    assert parity.cell_name("prose", "small", 0, 2, "demo-sign1bit", 1e-3, 520, ("decay=0.999",)) == \
+        "prose_small_s0_w2_demo-sign1bit+decay-0.999_lr0.001_t520"
+    own = DeMoConfig().decay
+    assert parity.default_settings((f"decay={own}",)) and parity.default_settings(())
+    assert not parity.default_settings(("decay=0.5",)) and not parity.default_settings(("no_such_setting=1",))
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-sign1bit": 1e-3}))
+    for seed, (ddp, at_default, other) in enumerate([(2.0, 2.04, 2.2), (2.2, 2.2, 2.31)]):
+        _cell_opt(tmp_path, "prose", seed, "ddp", ddp, 1.0, ())
+        _cell_opt(tmp_path, "prose", seed, "demo-sign1bit", at_default, 110.0, (f"decay={own}",))
+        _cell_opt(tmp_path, "prose", seed, "demo-sign1bit", other, 110.0, ("decay=0.5",))
+    parity.render(type("Args", (), {"out": str(tmp_path)})())
+    table = (tmp_path / "latest.md").read_text()
+    # the default's own settings, given explicitly: the default's row, with its target
+    assert f"| demo-sign1bit[decay={own}] (the default's settings) | 0.001 | 2 | 2.1200 (2.0400-2.2000) | 1.0100 (1.0000-1.0200)x | 110x | met |" in table
+    assert "| demo-sign1bit[decay=0.5] | 0.001 | 2 | 2.2550 (2.2000-2.3100) | 1.0750 (1.0500-1.1000)x | 110x |  |" in table
+    geo_other, geo_default = math.sqrt(1.1 * 1.05), math.sqrt(1.02 * 1.0)
+    assert f"- demo-sign1bit: {geo_default:.4f}x over 2 runs" in table
+    assert f"- demo-sign1bit[decay=0.5]: {geo_other:.4f}x over 2 runs; the default {geo_default:.4f}x over 2 of them" in table
+    with pytest.raises(SystemExit, match="holds no cells"):
+        parity.render(type("Args", (), {"out": str(tmp_path / "empty")})())
+
+
+def test_curves_prints_the_training_loss_in_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert parity.window_means([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.5, 3.5, 5.0]
+    with pytest.raises(ValueError):
+        parity.window_means([1.0], 0)
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    record = {"method": "demo-sign1bit", "world_size": 2, "final_val_loss": 2.5, "train_loss": [4.0, 3.0, 2.0], "options": ["decay=0.9"]}
+    (folder / "latest.json").write_text(json.dumps({"meta": {}, "records": [record]}))
+    parity.main(["curves", str(folder), "--window", "2"])
+    assert capsys.readouterr().out.strip() == "cell: demo-sign1bit [decay=0.9] W=2 val 2.5000 | train loss per 2 steps: 3.50 2.00"
+    with pytest.raises(SystemExit, match="no latest.json"):
+        parity.main(["curves", str(tmp_path / "missing")])
