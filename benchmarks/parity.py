@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import statistics
+from collections import Counter
 import subprocess
 import sys
 from pathlib import Path
@@ -269,15 +270,33 @@ def _target_of(method: str, world: int, by_method: dict[str, Any]) -> tuple[str,
     return method, method
 
 
+def byte_entropies(data: bytes) -> tuple[float, float]:
+    """``(unigram, bigram)`` entropy of ``data`` in nats per byte: the loss of the best model that sees no
+    context, and of the best that sees the previous byte only (conditional entropy), on the same bytes. A
+    training curve that stalls at the first has learnt the bytes' frequencies and nothing of their order."""
+    if len(data) < 2:
+        raise ValueError(f"byte_entropies needs at least 2 bytes, got {len(data)}")
+    n = len(data)
+    ones = Counter(data)
+    unigram = -sum(c / n * math.log(c / n) for c in ones.values())
+    firsts = Counter(data[:-1])
+    pairs = Counter(zip(data, data[1:]))
+    bigram = -sum(c / (n - 1) * math.log(c / firsts[a]) for (a, _), c in pairs.items())
+    return unigram, bigram
+
+
 def corpora(max_bytes: int) -> None:
-    """Print every named corpus's size and split on this machine (what the README's corpus table says)."""
+    """Print every named corpus's size and split on this machine (what the README's corpus table says),
+    and its training split's unigram and bigram entropies (:func:`byte_entropies`)."""
     from demo_lightning.data import CORPORA, corpus_digest, corpus_documents, load_corpus
 
     for name in CORPORA:
         docs = corpus_documents(name)  # type: ignore[arg-type]
         train, val = load_corpus(name, max_bytes)  # type: ignore[arg-type]
+        unigram, bigram = byte_entropies(bytes(train))
         print(f"{name}: {len(docs):,} documents, {sum(len(d.data) for d in docs):,} bytes in all; at max_bytes {max_bytes:,}: "
-              f"train {len(train):,}, validation {len(val):,} bytes, digest {corpus_digest(train, val)}")
+              f"train {len(train):,}, validation {len(val):,} bytes, digest {corpus_digest(train, val)}; "
+              f"train entropy {unigram:.3f} nats/byte by unigram, {bigram:.3f} by bigram")
 
 
 def window_means(losses: list[float], window: int) -> list[float]:

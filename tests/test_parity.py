@@ -149,3 +149,13 @@ def test_curves_prints_the_training_loss_in_windows(tmp_path: Path, capsys: pyte
     assert capsys.readouterr().out.strip() == "cell: demo-sign1bit [decay=0.9] W=2 val 2.5000 | train loss per 2 steps: 3.50 2.00"
     with pytest.raises(SystemExit, match="no latest.json"):
         parity.main(["curves", str(tmp_path / "missing")])
+
+
+def test_byte_entropies_against_hand_counts() -> None:
+    # "abab": unigram a, b at 1/2 each: ln 2; after a always b, after b always a: 0
+    assert parity.byte_entropies(b"abab") == pytest.approx((math.log(2), 0.0))
+    # "aab": unigram 2/3, 1/3; pairs (a,a), (a,b) after a (2 of them): each 1/2, so ln 2 for both pairs, over 2 pairs
+    uni = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    assert parity.byte_entropies(b"aab") == pytest.approx((uni, math.log(2)))
+    with pytest.raises(ValueError):
+        parity.byte_entropies(b"a")
