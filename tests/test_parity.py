@@ -17,14 +17,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import parity  # noqa: E402
 
 
-def _cell(out: Path, corpus: str, seed: int, method: str, lr: float, loss: float, ratio: float) -> None:
-    folder = out / "cells" / parity.cell_name(corpus, "small", seed, 2, method, lr, 10)
+def _write_cell(out: Path, corpus: str, seed: int, world: int, method: str, lr: float, loss: float, ratio: float,
+                options: tuple[str, ...] = ()) -> None:
+    folder = out / "cells" / parity.cell_name(corpus, "small", seed, world, method, lr, 10, options)
     folder.mkdir(parents=True)
     meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": seed, "lr": lr,
             "d_model": 128, "n_layer": 2}
-    record = {"method": method, "world_size": 2, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
-              "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1}
+    record = {"method": method, "world_size": world, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
+              "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1,
+              **({"options": list(options)} if options else {})}
     (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+
+
+def _cell(out: Path, corpus: str, seed: int, method: str, lr: float, loss: float, ratio: float) -> None:
+    _write_cell(out, corpus, seed, 2, method, lr, loss, ratio)
 
 
 def test_render_uses_the_swept_rates_and_reports_spread_ratio_and_geometric_mean(tmp_path: Path) -> None:
@@ -65,12 +71,7 @@ def test_run_without_a_sweep_or_rates_says_what_to_do(tmp_path: Path) -> None:
 
 
 def _cell_w(out: Path, corpus: str, world: int, method: str, lr: float, loss: float, ratio: float) -> None:
-    folder = out / "cells" / parity.cell_name(corpus, "small", 0, world, method, lr, 10)
-    folder.mkdir(parents=True)
-    meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": 0, "lr": lr, "d_model": 128, "n_layer": 2}
-    record = {"method": method, "world_size": world, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
-              "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1}
-    (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+    _write_cell(out, corpus, 0, world, method, lr, loss, ratio)
 
 
 def test_an_explicit_k_equal_to_the_default_answers_for_the_default_and_other_rates_are_listed(tmp_path: Path) -> None:
@@ -102,14 +103,7 @@ def test_a_target_met_only_on_the_mean_says_so(tmp_path: Path) -> None:
 
 
 def _cell_opt(out: Path, corpus: str, seed: int, method: str, loss: float, ratio: float, options: tuple[str, ...]) -> None:
-    folder = out / "cells" / parity.cell_name(corpus, "small", seed, 2, method, 1e-3, 10, options)
-    folder.mkdir(parents=True)
-    meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": seed, "lr": 1e-3,
-            "d_model": 128, "n_layer": 2}
-    record = {"method": method, "world_size": 2, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
-              "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1,
-              **({"options": list(options)} if options else {})}
-    (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+    _write_cell(out, corpus, seed, 2, method, 1e-3, loss, ratio, options)
 
 
 def test_option_rows_are_named_by_their_settings_and_answer_for_the_default_only_with_its_own_settings(tmp_path: Path) -> None:
