@@ -5,7 +5,9 @@
     .venv/bin/python benchmarks/compare.py --render-only --update-readme   # re-render table, plots and README from the JSON
 
 The job is the main example's task (a byte-level GPT on the Python standard library's sources;
-``--corpus prose|cpp|PATH`` trains on another named corpus or your own text, ``--lr`` sets every method's rate),
+``--corpus prose|cpp|PATH`` trains on another named corpus or your own text, ``--lr`` sets every method's rate,
+``--option KEY=VALUE`` one strategy setting over every non-DDP method's own, ``--schedule-steps N`` a longer
+learning-rate schedule of which the run takes the first ``--steps``),
 scaled so 4 processes share 2 CPU cores: ``--d-model 128 --n-layer 2`` (443,648 parameters),
 16 windows of 128 bytes per worker per step. Every method trains on the same data, from the same
 seed, for the same number of optimizer steps, at each world size in turn (runs are sequential, so
