@@ -88,6 +88,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,20 @@ def _callbacks(method: Method) -> list[Any]:
     return out
 
 
+def parse_options(options: Iterable[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` items as ``{KEY: VALUE}``, VALUE read as JSON (``256``, ``0.999``, ``true``), else a string."""
+    out: dict[str, Any] = {}
+    for item in options:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--option expects KEY=VALUE (e.g. --option topk=256), got {item!r}")
+        try:
+            out[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key.strip()] = text
+    return out
+
+
 def with_options(method: Method, options: list[str] | None) -> Method:
     """``method`` with ``--option KEY=VALUE`` settings laid over its strategy options (VALUE read as JSON, else a string).
 
@@ -297,15 +312,7 @@ def with_options(method: Method, options: list[str] | None) -> Method:
     the record keeps the method's name and lists the settings under ``options``."""
     if not options or method.kind == "ddp":  # Lightning's DDPStrategy: no settings of ours
         return method
-    extra: dict[str, Any] = {}
-    for item in options:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"--option expects KEY=VALUE (e.g. --option topk=256), got {item!r}")
-        try:
-            extra[key.strip()] = json.loads(text)
-        except json.JSONDecodeError:
-            extra[key.strip()] = text
+    extra = parse_options(options)
     said = ", ".join(f"{k}={v!r}" for k, v in extra.items())
     return Method(f"{method.description}; {said}", method.kind, method.optimizer, method.lr, {**method.options, **extra},
                   method.keep_ratio, method.sync_periods)

@@ -72,15 +72,9 @@ def default_settings(options: tuple[str, ...] | list[str]) -> bool:
     from demo_lightning.algorithms import CodecConfig, DeMoConfig
 
     defaults = {f.name: f.default for cls in (DeMoConfig, CodecConfig) for f in fields(cls) if f.default is not MISSING}
-    for item in options:
-        key, _, text = item.partition("=")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        if key not in defaults or defaults[key] != value:
-            return False
-    return True
+    from compare import parse_options  # the sibling that runs the cells: one reading of KEY=VALUE
+
+    return all(key in defaults and defaults[key] == value for key, value in parse_options(options).items())
 
 
 def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int,
@@ -213,7 +207,9 @@ def render(args: argparse.Namespace) -> None:
             losses = [seeds[s]["loss"] for s in sorted(seeds)]
             ratios = [seeds[s]["loss"] / ddp[s]["loss"] for s in sorted(seeds) if s in ddp]
             byte_ratio = statistics.fmean(seeds[s]["ratio"] for s in seeds)
-            target, label = _target_of(method, world, by_method)
+            first = next(iter(seeds.values()))
+            target, label = _target_of(method, first["base"], first["options"], world, by_method)
+            logs = {(corpus, size, world, s): math.log(seeds[s]["loss"] / ddp[s]["loss"]) for s in seeds if s in ddp}
             verdict = ""
             if target in TARGETS and ratios:
                 limit, fewer = TARGETS[target]
@@ -224,11 +220,10 @@ def render(args: argparse.Namespace) -> None:
                 if corpus != tuning:  # the tuning corpus is not out of sample
                     log_ratios.setdefault(target, []).extend(math.log(r) for r in ratios)
                     if target == "demo-sign1bit":
-                        defaults.update({(corpus, size, world, s): math.log(seeds[s]["loss"] / ddp[s]["loss"]) for s in seeds if s in ddp})
+                        defaults.update(logs)
             elif method != "ddp" and ratios and corpus != tuning:
-                variants.setdefault(label, {}).update(
-                    {(corpus, size, world, s): math.log(seeds[s]["loss"] / ddp[s]["loss"]) for s in seeds if s in ddp})
-            table.append(f"| {corpus} | {size} | {world} | {label} | {next(iter(seeds.values()))['lr']:g} | {len(seeds)} | "
+                variants.setdefault(label, {}).update(logs)
+            table.append(f"| {corpus} | {size} | {world} | {label} | {first['lr']:g} | {len(seeds)} | "
                          f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {byte_ratio:.0f}x | {verdict} |")
     if others:
         table += ["", "Other rates (ablations; the ratio is to DDP at its chosen rate, same corpus, size, W and seed):", "",
@@ -251,7 +246,7 @@ def render(args: argparse.Namespace) -> None:
     print("\n".join(lines + [""] + table))
 
 
-def _target_of(method: str, world: int, by_method: dict[str, Any]) -> tuple[str, str]:
+def _target_of(method: str, base: str, options: tuple[str, ...], world: int, by_method: dict[str, Any]) -> tuple[str, str]:
     """``(target, label)``: the issue's target a row answers to. A row that runs exactly what
     ``strategy="demo"`` runs at its world size answers for the default when that W has no plain
     ``demo-sign1bit`` row: ``demo-sign1bit-k<K>`` where ``K`` is the default k there
@@ -259,8 +254,6 @@ def _target_of(method: str, world: int, by_method: dict[str, Any]) -> tuple[str,
     settings that are all the defaults' own (:func:`default_settings`)."""
     from demo_lightning.algorithms.config import default_topk
 
-    base, _, rest = method.partition("[")
-    options = tuple(rest[:-1].split(",")) if rest else ()
     if "demo-sign1bit" in by_method or method == "demo-sign1bit" or not default_settings(options):
         return method, method
     if base == f"demo-sign1bit-k{default_topk(world)}":
