@@ -109,3 +109,36 @@ def test_the_caps_stop_both_splits_at_their_share(installation: Path) -> None:
     assert (len(train), len(val)) == (1_800, 200)
     train, val = load_corpus("stdlib", max_bytes=1_000, val_fraction=0.3)  # caps 700 and 300
     assert (len(train), len(val)) == (600, 300)  # the training file (test/t.py) holds only 600 bytes
+
+
+def _rglob_files(root: Path, suffixes: set[str], skip_site: bool, skip_tests: bool) -> list[tuple[str, Path]]:
+    """The listing as pathlib spells it (the implementation before the scandir walk): the oracle."""
+    found = sorted((f.relative_to(root).as_posix(), f) for f in root.rglob("*") if f.is_file())
+    return [
+        (rel, f) for rel, f in found
+        if f.suffix.lower() in suffixes and not (skip_site and "site-packages" in f.parts)
+        and not (skip_tests and {"test", "tests", "testing"} & set(rel.split("/")[:-1]))
+    ]
+
+
+def test_the_file_walk_lists_what_rglob_lists(tmp_path: Path) -> None:
+    root = tmp_path / "lib"
+    for rel in ("a.py", "B.PY", "pkg/z.py", "pkg/.hidden.py", "pkg/tests/t.py", "site-packages/x/y.py", "deep/er/still/m.py",
+                "notes.txt", "pkg/readme.md", "folder.py/inside.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "o.py").write_text("o = 1\n")
+    (root / "linked_dir").symlink_to(tmp_path / "outside", target_is_directory=True)  # not descended, as rglob
+    (root / "linked_file.py").symlink_to(root / "a.py")  # a file: listed
+    (root / "broken.py").symlink_to(root / "gone.py")  # no file behind it: not listed
+    corpora._listing.cache_clear()
+    for suffixes in ({".py"}, {".md", ".txt"}):
+        for skip_site in (True, False):
+            for skip_tests in (True, False):
+                got = list(corpora._files(root, suffixes, skip_site=skip_site, skip_tests=skip_tests))
+                assert got == _rglob_files(root, suffixes, skip_site, skip_tests), (suffixes, skip_site, skip_tests)
+    names = [rel for rel, _ in corpora._files(root, {".py"}, skip_site=True, skip_tests=True)]
+    assert "linked_file.py" in names and "B.PY" in names and "folder.py/inside.py" in names
+    assert not any(n.startswith(("linked_dir", "site-packages", "broken")) or "/tests/" in n for n in names)
+    assert list(corpora._files(root / "site-packages", {".py"}, skip_site=True)) == []  # every file below names the folder

@@ -1,11 +1,13 @@
 """One node of a two-node Lightning fit on this machine, driven by tests/test_two_nodes.py.
 
 Launched by ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank N`` (one launch per node, both on
-127.0.0.1): ``Trainer(num_nodes=2, devices=2)`` trains the small GPT under ``--method``
-(``flat``: DeMo over all ranks, ``node``: hierarchical DeMo, ``desloc``: DES-LOC). Every rank
-writes ``rank{R}.json`` into ``--out``: per-step parameter hashes, the ledger's figures, and an
-independent count of the bytes this rank handed to ``torch.distributed`` collectives over groups
-that span both nodes (counted by wrapping the ``torch.distributed`` functions, not by the ledger).
+127.0.0.1): one ``Trainer(num_nodes=2, devices=2)`` fit of the small GPT per positional argument
+``NAME:METHOD[:FLAG...]``, one after another in the same process group (``flat``: DeMo over all
+ranks, ``node``: hierarchical DeMo, ``desloc``: DES-LOC; each FLAG one of this script's options, e.g.
+``dense-below=0`` or ``compose``). Every rank writes ``NAME/rank{R}.json`` into ``--out``: per-step
+parameter hashes, the ledger's figures, and an independent count of the bytes this rank handed to
+``torch.distributed`` collectives over groups that span both nodes (counted by wrapping the
+``torch.distributed`` functions, not by the ledger), reset before each fit.
 """
 
 from __future__ import annotations
@@ -96,10 +98,9 @@ class Recorder(pl.Callback):
         self.hierarchical.append(trainer.strategy.node_groups is not None)  # destroyed at teardown
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--method", choices=["flat", "node", "desloc"], required=True)
+    p.add_argument("--method", choices=["flat", "node", "desloc"], default="flat")
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--dense-below", type=int, default=4096)
     p.add_argument("--selection", default="topk")
@@ -108,11 +109,30 @@ def main() -> None:
                    help="the same k flat and hierarchical (the default would keep 32 over 4 ranks and 64 over 2 nodes), "
                         "so the comparison of their bytes is the hierarchy's alone")
     p.add_argument("--compose", action="store_true", help="DES-LOC averaging of the residuals, AdaptiveKeepRatio, CommunicationMonitor")
-    args = p.parse_args()
-    out = Path(args.out)
+    return p
+
+
+def main() -> None:
+    top = argparse.ArgumentParser()
+    top.add_argument("--out", required=True)
+    top.add_argument("--max-steps", type=int, default=6)
+    top.add_argument("runs", nargs="+", help="NAME:METHOD[:FLAG[=VALUE]...], one per fit")
+    cli = top.parse_args()
+    out = Path(cli.out)
     out.mkdir(parents=True, exist_ok=True)
     record_pid(out)
     torch.set_num_threads(1)
+    for spec in cli.runs:
+        name, method, *flags = spec.split(":")
+        args = _parser().parse_args(["--method", method, "--max-steps", str(cli.max_steps), *(f"--{f}" for f in flags)])
+        _fit(out / name, args)
+
+
+def _fit(out: Path, args: argparse.Namespace) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for counter in (HANDED, OTHERS):
+        counter.update(inter=0, intra=0)
+    FROM_OTHER_NODE[0] = 0
     pl.seed_everything(0, verbose=False)
     torch.manual_seed(1 + int(os.environ["RANK"]))  # different initial weights on every rank: setup broadcasts rank 0's
     model = GPTLightningModule(block_size=32, d_model=64, n_layer=2, n_head=2, optimizer="sgd", lr=1e-2, warmup_steps=2, max_steps=100)

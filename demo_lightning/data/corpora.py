@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 import sysconfig
 import zlib
@@ -86,10 +87,33 @@ def _site_roots() -> list[Path]:
 
 
 @functools.lru_cache(maxsize=8)
-def _listing(root: str) -> tuple[tuple[str, Path], ...]:
-    """Every file under ``root`` as ``(relative posix path, path)``, sorted (one walk per root and process)."""
-    base = Path(root)
-    return tuple(sorted((f.relative_to(base).as_posix(), f) for f in base.rglob("*") if f.is_file()))
+def _listing(root: str, prune_site: bool) -> tuple[str, ...]:
+    """Every file under ``root`` as its relative posix path, sorted (one walk per root and process).
+
+    Walked with :func:`os.scandir` (no :class:`~pathlib.Path` per entry: the standard library folder
+    holds tens of thousands of files, most of them under ``site-packages``). Like ``Path.rglob("*")``
+    it does not descend into symbolic links to folders and lists what ``is_file()`` accepts (links to
+    files included); with ``prune_site`` it does not descend into folders named ``site-packages``.
+    """
+    found: list[str] = []
+    pending = [""]
+    while pending:
+        rel_dir = pending.pop()
+        try:
+            with os.scandir(os.path.join(root, rel_dir) if rel_dir else root) as entries:
+                for entry in entries:
+                    rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            if not (prune_site and entry.name == "site-packages"):
+                                pending.append(rel)
+                        elif entry.is_file():
+                            found.append(rel)
+                    except OSError:
+                        continue
+        except (PermissionError, FileNotFoundError, NotADirectoryError):
+            continue
+    return tuple(sorted(found))
 
 
 def _files(root: Path, suffixes: set[str], skip_site: bool = True, skip_tests: bool = True) -> Iterator[tuple[str, Path]]:
@@ -97,15 +121,14 @@ def _files(root: Path, suffixes: set[str], skip_site: bool = True, skip_tests: b
     relative-path order; without ``site-packages`` (``skip_site``) and test folders (``skip_tests``)."""
     if not root.is_dir():
         return
-    for rel, f in _listing(str(root)):
-        if f.suffix.lower() not in suffixes:
+    if skip_site and "site-packages" in root.parts:  # every file below names the folder
+        return
+    for rel in _listing(str(root), skip_site):
+        if os.path.splitext(rel)[1].lower() not in suffixes:
             continue
-        parts = rel.split("/")
-        if skip_site and "site-packages" in f.parts:
+        if skip_tests and _TEST_FOLDERS & set(rel.split("/")[:-1]):
             continue
-        if skip_tests and _TEST_FOLDERS & set(parts[:-1]):
-            continue
-        yield rel, f
+        yield rel, root / rel
 
 
 def _stdlib_documents() -> Iterator[Document]:
