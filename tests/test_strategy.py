@@ -131,7 +131,7 @@ def _fit(out: Path, *extra: str, timeout: float = 240) -> list[dict[str, Any]]:
 
 
 def test_two_process_fit_replicas_identical_every_step_momenta_differ(tmp_path: Path) -> None:
-    ranks = _fit(tmp_path, "--accumulate", "2", "--rank-seeded-init")
+    ranks = _fit(tmp_path, "--accumulate", "2", "--rank-seeded-init", "--max-bytes", "20000")
     # each rank built different weights; rank 0's were broadcast before training
     assert not torch.equal(ranks[0]["initial_params"]["model.tok.weight"], ranks[1]["initial_params"]["model.tok.weight"])
     assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
@@ -150,7 +150,7 @@ def test_two_process_fit_replicas_identical_every_step_momenta_differ(tmp_path: 
 def test_two_process_bf16_mixed_fit_with_position_groups_keeps_replicas_identical(tmp_path: Path) -> None:
     """bf16-mixed, int8 values and position groups of 2: the strategy names the tensors from the module, so
     each group is one projection of the two blocks, and the ledger's bytes are the plan's (followers send values)."""
-    ranks = _fit(tmp_path, "--precision", "bf16-mixed", "--strategy-json", json.dumps({"value_format": "int8", "position_group_size": 2}))
+    ranks = _fit(tmp_path, "--precision", "bf16-mixed", "--max-bytes", "20000", "--strategy-json", json.dumps({"value_format": "int8", "position_group_size": 2}))
     assert ranks[0]["param_hashes"] == ranks[1]["param_hashes"]
     groups = ranks[0]["position_groups"]
     assert groups["shared"] and all(a.replace(".1.", ".0.") == b for a, b in groups["shared"]), groups["shared"]
