@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> None:
     # the sweep's best, then rates given to earlier runs, then these: given rates win
     rates = {**(best_rates(out) if (out / "sweep.json").exists() or not given else {}), **kept, **given}
     (out / "rates.json").parent.mkdir(parents=True, exist_ok=True)
-    (out / "rates.json").write_text(json.dumps(rates))  # what render reports: these rates, given or swept
+    if not args.ablation:  # an ablation's rates run, but the chosen ones (what render reports) stay
+        (out / "rates.json").write_text(json.dumps(rates))  # what render reports: these rates, given or swept
     methods = args.methods.split(",")
     missing = [m for m in methods if m not in rates]
     if missing:
@@ -330,6 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--world-sizes", default="2")
     r.add_argument("--methods", default=",".join(METHODS))
     r.add_argument("--lr", default="", help="METHOD=RATE,... instead of the sweep's best rates")
+    r.add_argument("--ablation", action="store_true",
+                   help="--lr's rates are an ablation: run them, but keep each method's chosen rate in rates.json "
+                        "(render lists these cells under the other rates)")
     r.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
                    help="compare.py's --option for every method but ddp (repeatable); the cells are named with it")
     c = sub.add_parser("corpora", help="every named corpus's documents, bytes and digest on this machine")

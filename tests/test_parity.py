@@ -90,6 +90,13 @@ def test_an_explicit_k_equal_to_the_default_answers_for_the_default_and_other_ra
     parity.main(["run", "--corpora", "prose", "--world-sizes", "4", "--methods", "ddp", "--lr", "ddp=0.001", "--steps", "10",
                  "--out", str(tmp_path)])
     assert json.loads((tmp_path / "rates.json").read_text())["demo-sign1bit-k32"] == 1e-3
+    # an ablation at another rate (its cell exists, so nothing trains) leaves the chosen rate as it was
+    parity.main(["run", "--corpora", "prose", "--world-sizes", "4", "--methods", "demo-sign1bit-k32", "--lr",
+                 "demo-sign1bit-k32=0.002", "--ablation", "--steps", "10", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "rates.json").read_text())["demo-sign1bit-k32"] == 1e-3
+    table = (tmp_path / "latest.md").read_text()
+    assert "| demo-sign1bit-k32 (the default at W = 4) | 0.001 | 1 | 2.0800 | 1.0400x | 103x | met |" in table
+    assert "| prose | small | 4 | demo-sign1bit-k32 | 0.002 | 0 | 2.5000 | 1.2500x | 103x |" in table.split("Other rates", 1)[1]
 
 
 def test_a_target_met_only_on_the_mean_says_so(tmp_path: Path) -> None:
