@@ -202,20 +202,24 @@ METHODS["demo-keep-const"] = Method(
     "DeMo 1-bit, a constant 80/4096 of each tile (the ramp's mean: equal total bytes), SGD", "demo", "sgd", DEMO_LR,
     {"value_format": "sign"}, keep_ratio=80 / 4096,
 )
+
+
+def _keep_early(k: int, steps: int) -> Method:
+    """DeMo's default exchange keeping ``k`` of each tile's 4096 coefficients for the first ``steps``, then 64."""
+    return Method(
+        f"DeMo 1-bit, {k}/4096 of each tile for {steps} steps, then 64/4096 (AdaptiveKeepRatio milestones), SGD", "demo", "sgd",
+        DEMO_LR, {"value_format": "sign"}, keep_ratio={"kind": "milestones", "start": k / 4096, "milestones": {steps: 1 / 64}},
+    )
+
+
 # issue 18, the plateau: the 1.8 M GPT on prose sits at ~3.55 nats/byte from step ~40 under every DeMo setting at
 # k 64 (decay 0.9 to 0.9995, fp32 values) and leaves it at a step that varies with them; k 256 barely stops there.
 # More coefficients early only: k 256 (1/16 of each tile) for the first 40 steps, then the default's 64 (1/64)
-METHODS["demo-keep-early"] = Method(
-    "DeMo 1-bit, 256/4096 of each tile for 40 steps, then 64/4096 (AdaptiveKeepRatio milestones), SGD", "demo", "sgd", DEMO_LR,
-    {"value_format": "sign"}, keep_ratio={"kind": "milestones", "start": 1 / 16, "milestones": {40: 1 / 64}},
-)
+METHODS["demo-keep-early"] = _keep_early(256, 40)
 # the same, cheaper (issue 18): k 256 or 128 for the first N steps only; at 520 steps an early phase of N steps at
 # m times the k costs N (m - 1) / 520 more bytes than the default (the 0.44 M GPT's 106x leaves about 6 %)
 for _k, _n in ((256, 10), (256, 20), (128, 20), (128, 40), (128, 80), (96, 80)):
-    METHODS[f"demo-keep{_k}-for{_n}"] = Method(
-        f"DeMo 1-bit, {_k}/4096 of each tile for {_n} steps, then 64/4096 (AdaptiveKeepRatio milestones), SGD", "demo", "sgd",
-        DEMO_LR, {"value_format": "sign"}, keep_ratio={"kind": "milestones", "start": _k / 4096, "milestones": {_n: 1 / 64}},
-    )
+    METHODS[f"demo-keep{_k}-for{_n}"] = _keep_early(_k, _n)
 # issue 16 item 9, the seed's local rule (seed 001): DecoupledMomentum (beta 0.9, lam 0.1) under DDP and under
 # DES-LOC (parameters every 256, its momentum_buffer every 768), a small learning-rate sweep (it is an SGD-type
 # step, so AdamW's 1e-3 does not transfer), against AdamW at the same steps (the ddp and desloc rows)
