@@ -5,7 +5,10 @@
     .venv/bin/python benchmarks/compare.py --render-only --update-readme   # re-render table, plots and README from the JSON
 
 The job is the main example's task (a byte-level GPT on the Python standard library's sources;
-``--corpus prose|cpp|PATH`` trains on another named corpus or your own text, ``--lr`` sets every method's rate,
+``--corpus prose|cpp|PATH`` trains on another named corpus or your own text, ``--corpus digits`` runs the vision
+task instead (scikit-learn's bundled digits at 32x32 with a timm ResNet-10t narrowed to channels
+(32, 64, 128, 256), 1.27 M parameters, random init; ``--batch-size`` images per worker; validation
+accuracy is recorded beside the loss), ``--lr`` sets every method's rate,
 ``--option KEY=VALUE`` one strategy setting over every non-DDP method's own, ``--schedule-steps N`` a longer
 learning-rate schedule of which the run takes the first ``--steps``),
 scaled so 4 processes share 2 CPU cores: ``--d-model 128 --n-layer 2`` (443,648 parameters),
@@ -350,8 +353,8 @@ def worker(args: argparse.Namespace) -> None:
     import demo_lightning
     from demo_lightning.callbacks.communication_monitor import ddp_modeled_seconds, modeled_seconds
     from demo_lightning.comm import ddp_bytes_per_step
-    from demo_lightning.data import TextDataModule
-    from demo_lightning.models import GPTLightningModule
+    from demo_lightning.data import ImageDataModule, TextDataModule
+    from demo_lightning.models import GPTLightningModule, ImageClassifier
     StageTimes = add_sink = None  # a revision before the stage ranges (exchange_share.py --against): time the calls
     try:
         from demo_lightning import profiling
@@ -371,6 +374,7 @@ def worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.rows: list[dict[str, Any]] = []
             self.val_curve: list[tuple[int, float]] = []
+            self.val_acc_curve: list[tuple[int, float]] = []  # the digits task's accuracy
             self._t0 = self._comm0 = self._inside0 = 0.0
             # the library's stage ranges (guard, exchange, averaging), timed; None: a library without them
             self.stages = StageTimes() if StageTimes is not None else None
@@ -449,16 +453,20 @@ def worker(args: argparse.Namespace) -> None:
         def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             if not trainer.sanity_checking and trainer.state.fn == "fit":
                 self.val_curve.append((int(trainer.global_step), float(trainer.callback_metrics["val/loss"])))
+                if "val/acc" in trainer.callback_metrics:
+                    self.val_acc_curve.append((int(trainer.global_step), float(trainer.callback_metrics["val/acc"])))
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
-    model = GPTLightningModule(
-        block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, optimizer=method.optimizer,
-        lr=method.lr if args.lr is None else args.lr, warmup_steps=args.warmup_steps,
-        max_steps=args.steps if args.schedule_steps is None else args.schedule_steps,
-    )
-    named = args.corpus in CORPUS_NAMES
-    data = TextDataModule(path=None if named else args.corpus, corpus=args.corpus if named else "stdlib", block_size=args.block_size,
-                          batch_size=args.batch_size, max_bytes=args.max_bytes)
+    schedule = dict(optimizer=method.optimizer, lr=method.lr if args.lr is None else args.lr, warmup_steps=args.warmup_steps,
+                    max_steps=args.steps if args.schedule_steps is None else args.schedule_steps)
+    if args.corpus == DIGITS:
+        model: pl.LightningModule = ImageClassifier(DIGITS_MODEL, model_kwargs=dict(DIGITS_KWARGS), **schedule)
+        data: pl.LightningDataModule = ImageDataModule(image_size=DIGITS_SIZE, batch_size=args.batch_size)
+    else:
+        model = GPTLightningModule(block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, **schedule)
+        named = args.corpus in CORPUS_NAMES
+        data = TextDataModule(path=None if named else args.corpus, corpus=args.corpus if named else "stdlib",
+                              block_size=args.block_size, batch_size=args.batch_size, max_bytes=args.max_bytes)
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=_strategy(method, args.timeout), max_steps=args.steps,
@@ -467,8 +475,10 @@ def worker(args: argparse.Namespace) -> None:
     )
     trainer.fit(model, datamodule=data)
     if not recorder.val_curve or recorder.val_curve[-1][0] != trainer.global_step:
-        loss = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"])
-        recorder.val_curve.append((int(trainer.global_step), loss))
+        metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
+        recorder.val_curve.append((int(trainer.global_step), float(metrics["val/loss"])))
+        if "val/acc" in metrics:
+            recorder.val_acc_curve.append((int(trainer.global_step), float(metrics["val/acc"])))
     allreduce_s = 0.0
     if method.kind == "ddp" and dist.is_initialized():  # the all-reduce DDP overlapped with backward, timed alone
         flat = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -480,7 +490,7 @@ def worker(args: argparse.Namespace) -> None:
     record = {
         "rank": trainer.global_rank, "world_size": trainer.world_size, "steps": trainer.global_step,
         "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "rows": recorder.rows, "val_curve": recorder.val_curve, "ddp_allreduce_s": allreduce_s,
+        "rows": recorder.rows, "val_curve": recorder.val_curve, "val_acc_curve": recorder.val_acc_curve, "ddp_allreduce_s": allreduce_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "sync_periods": sync_periods(trainer.strategy),
         "stage_exclusive_s": recorder.stages.snapshot()["exclusive"] if recorder.stages is not None else {},
@@ -510,12 +520,20 @@ def sync_periods(strategy: Any) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------------------------- parent
 CORPUS_NAMES = ("stdlib", "prose", "cpp")
+# --corpus digits: the vision task (the model and data of benchmarks/presets.py's digits rows)
+DIGITS, DIGITS_MODEL, DIGITS_KWARGS, DIGITS_SIZE = "digits", "resnet10t", {"channels": (32, 64, 128, 256)}, 32
 
 
 def _corpus_digest(args: argparse.Namespace) -> str:
-    """The trained text's digest (demo_lightning.data.corpora.corpus_digest), to tell machines' corpora apart."""
+    """The trained text's digest (demo_lightning.data.corpora.corpus_digest), to tell machines' corpora apart;
+    for the digits, the same digest of the images' and labels' bytes as the workers load them."""
     from demo_lightning.data import corpus_digest, load_text_corpus
 
+    if args.corpus == DIGITS:
+        from demo_lightning.data import load_digits_tensors
+
+        images, labels = load_digits_tensors(DIGITS_SIZE)
+        return corpus_digest(images.numpy().tobytes(), labels.numpy().tobytes())
     named = args.corpus in CORPUS_NAMES
     train, val = load_text_corpus(None if named else args.corpus, args.max_bytes, 0.05, args.corpus if named else "stdlib")
     return corpus_digest(train, val)
@@ -580,6 +598,7 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int, options: list[str
     return {
         "method": name, "description": method.description, "world_size": world, "steps": r0["steps"], "n_trainable": n,
         "final_val_loss": r0["val_curve"][-1][1], "val_curve": r0["val_curve"],
+        **({"final_val_acc": r0["val_acc_curve"][-1][1], "val_acc_curve": r0["val_acc_curve"]} if r0.get("val_acc_curve") else {}),
         "bytes_sent_per_step": sent, "bytes_received_per_step": received, "ddp_bytes_per_step": ddp_bytes,
         "ratio_vs_ddp": ddp_bytes / sent if sent > 0 else math.inf, "steady_ratio_vs_ddp": steady,
         "collectives_per_step": sum(r["calls"] for r in rows) / steps,
@@ -666,14 +685,22 @@ def _seconds(x: float | None) -> str:
     return "not reached" if x is None else f"{x:,.0f} s" if x >= 100 else f"{x:.1f} s"
 
 
+def _job(meta: dict[str, Any]) -> str:
+    """The model and the data per worker per step, as the table's header states them."""
+    if meta.get("corpus") == DIGITS:
+        return (f"{meta['n_trainable']:,}-parameter timm {DIGITS_MODEL} on the digits at {DIGITS_SIZE}x{DIGITS_SIZE}, "
+                f"{meta['batch_size']} images per worker per step")
+    return (f"{meta['n_trainable']:,}-parameter GPT (d_model {meta['d_model']}, {meta['n_layer']} layers), "
+            f"{meta['batch_size']} x {meta['block_size']} bytes per worker per step")
+
+
 def render(meta: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """The markdown table (one per world size) and the targets; pure function of the JSON."""
     bands = meta["bandwidths"]
     band_names = " / ".join(f"{b:g}" for b in bands)
     lines = [
         f"Command: `{meta['command']}` — {meta['date']}, {meta['machine']}; {meta['steps']} optimizer steps, "
-        f"{meta['n_trainable']:,}-parameter GPT (d_model {meta['d_model']}, {meta['n_layer']} layers), "
-        f"{meta['batch_size']} x {meta['block_size']} bytes per worker per step, seed {meta['seed']}, "
+        f"{_job(meta)}, seed {meta['seed']}, "
         f"latency {meta['latency_ms']:g} ms per hop. Total run time {meta['wall_s'] / 60:.0f} min.",
         "",
     ]
@@ -813,7 +840,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=20, help="learning-rate warm-up")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the corpus read (5 %% validation)")
     p.add_argument("--corpus", default="stdlib",
-                   help="a named corpus (stdlib, prose, cpp: demo_lightning.data.corpora) or a path to your own text")
+                   help="a named corpus (stdlib, prose, cpp: demo_lightning.data.corpora), a path to your own text, "
+                        "or digits (the vision task: a ResNet-10t on scikit-learn's digits)")
     p.add_argument("--lr", type=float, default=None, help="every method's peak learning rate (default: each method's own)")
     p.add_argument("--schedule-steps", type=int, default=None,
                    help="the learning-rate schedule's length (default --steps): a shorter run follows a longer run's first steps")
@@ -838,9 +866,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     args.method_names = names
-    if args.corpus not in CORPUS_NAMES:  # a path: absolute, so the workers (run from the repo root) read the same text
+    if args.corpus not in (*CORPUS_NAMES, DIGITS):  # a path: absolute, so the workers (run from the repo root) read the same text
         if not Path(args.corpus).expanduser().exists():
-            p.error(f"--corpus: {args.corpus!r} is neither a named corpus ({', '.join(CORPUS_NAMES)}) nor an existing path")
+            p.error(f"--corpus: {args.corpus!r} is neither a named corpus ({', '.join(CORPUS_NAMES)}), {DIGITS!r} nor an existing path")
         args.corpus = str(Path(args.corpus).expanduser().resolve())
     try:
         args.world_size_list = [int(w) for w in args.world_sizes.split(",")]

@@ -17,7 +17,10 @@ moments 768 / 1536: about 260x fewer bytes than DDP).
 
 Sizes (the bundled GPT, byte-level, 128-byte windows, 16 per worker per step):
 ``small`` d_model 128, 2 layers (443,648 parameters); ``medium`` d_model 192, 4 layers (1.8 M);
-``large`` d_model 256, 8 layers (6.4 M).
+``large`` d_model 256, 8 layers (6.4 M). The corpus ``digits`` is the vision task instead
+(compare.py ``--corpus digits``: a timm ResNet-10t narrowed to channels 32-256, 1.27 M parameters,
+on scikit-learn's digits at 32x32, 32 images per worker per step); its one size is ``resnet10t``,
+whatever ``--sizes`` says.
 
 The sweep: every method at each of ``--lrs`` (the same grid for all, warm-up 20 steps as in
 compare.py) on the tuning corpus; the best rate of a method is the one with the lowest final
@@ -47,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "parity"
 SIZES = {"small": (128, 2), "medium": (192, 4), "large": (256, 8)}
+DIGITS, DIGITS_SIZE, DIGITS_BATCH = "digits", "resnet10t", 32  # the vision task: its model, images per worker per step
 METHODS = ("ddp", "demo-sign1bit", "desloc")
 TARGETS = {"demo-sign1bit": (1.05, 100.0), "desloc": (1.05, 170.0)}
 
@@ -85,9 +89,9 @@ def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: s
     folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps, options)
     done = folder / "latest.json"
     if not done.exists():
-        d_model, n_layer = SIZES[size]
+        model = ["--batch-size", str(DIGITS_BATCH)] if corpus == DIGITS else ["--d-model", str(SIZES[size][0]), "--n-layer", str(SIZES[size][1])]
         cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--methods", method, "--world-sizes", str(world),
-               "--corpus", corpus, "--seed", str(seed), "--d-model", str(d_model), "--n-layer", str(n_layer), "--lr", f"{lr:g}",
+               "--corpus", corpus, "--seed", str(seed), *model, "--lr", f"{lr:g}",
                "--steps", str(steps), "--val-every", str(steps), "--out", str(folder), "--workdir", str(ROOT / "runs" / "parity"),
                "--no-plots", *(x for o in options for x in ("--option", o))]
         print("$", " ".join(cmd[1:]), flush=True)
@@ -134,7 +138,7 @@ def run(args: argparse.Namespace) -> None:
     if missing:
         raise SystemExit(f"no learning rate for {missing}: sweep them, or give --lr {missing[0]}=RATE")
     for corpus in args.corpora.split(","):
-        for size in args.sizes.split(","):
+        for size in ([DIGITS_SIZE] if corpus == DIGITS else args.sizes.split(",")):
             for world in (int(w) for w in args.world_sizes.split(",")):
                 for seed in (int(s) for s in args.seeds.split(",")):
                     for m in methods:
@@ -157,6 +161,8 @@ def _cells(out: Path) -> list[dict[str, Any]]:
 
 
 def _size_of(meta: dict[str, Any]) -> str:
+    if meta.get("corpus") == DIGITS:
+        return DIGITS_SIZE
     for name, (d, n) in SIZES.items():
         if (meta["d_model"], meta["n_layer"]) == (d, n):
             return name
@@ -325,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     s.add_argument("--methods", default=",".join(METHODS))
     r = sub.add_parser("run", help="every method at its best rate on the given corpora, sizes, seeds and world sizes")
-    r.add_argument("--corpora", default="prose,cpp", help="names (stdlib, prose, cpp) or paths to your own text")
+    r.add_argument("--corpora", default="prose,cpp", help="names (stdlib, prose, cpp), paths to your own text, or digits (the vision task)")
     r.add_argument("--sizes", default="small")
     r.add_argument("--seeds", default="0")
     r.add_argument("--world-sizes", default="2")

@@ -23,8 +23,8 @@ Rows per task, 2 workers, the same seed, data and number of optimizer steps:
 
 Every figure comes from compare.py's worker and merge (the strategy's byte ledger for bytes per
 step, the validation loss after the last step, ``ratio_vs_ddp`` = DDP's ring all-reduce bytes over
-ours); this file only adds the rows (a LayerPolicy on the Trainer; the digits model and data in
-place of the GPT's) and launches itself as the worker. Writes
+ours; the digits are compare.py's ``--corpus digits`` task, accuracy included); this file only adds
+the rows (a LayerPolicy on the Trainer) and launches itself as the worker. Writes
 ``benchmarks/results/issue16/presets/presets.json`` and ``presets.md``.
 """
 
@@ -45,7 +45,7 @@ import compare  # noqa: E402  benchmarks/compare.py: Method, METHODS, worker, me
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "issue16" / "presets"
-DIGITS_MODEL, DIGITS_KWARGS, DIGITS_SIZE = "resnet10t", {"channels": (32, 64, 128, 256)}, 32
+DIGITS_MODEL, DIGITS_KWARGS, DIGITS_SIZE = compare.DIGITS_MODEL, compare.DIGITS_KWARGS, compare.DIGITS_SIZE
 VISION_LR = 1e-3
 
 # name -> LayerPolicy arguments (rows without an entry run without one)
@@ -96,60 +96,24 @@ _POLICY_OF = {id(compare.METHODS[name]): kwargs for name, kwargs in POLICIES.ite
 _compare_callbacks = compare._callbacks
 
 
-class _Accuracy:
-    """Records ``val/acc`` at every validation into ``<out>.acc.rank<r>.json`` (digits only)."""
-
-    def __new__(cls, out: str) -> Any:
-        import lightning.pytorch as pl
-
-        class Accuracy(pl.Callback):
-            def __init__(self) -> None:
-                self.curve: list[tuple[int, float]] = []
-
-            def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-                if not trainer.sanity_checking and "val/acc" in trainer.callback_metrics:
-                    self.curve.append((int(trainer.global_step), float(trainer.callback_metrics["val/acc"])))
-                    Path(f"{out}.acc.rank{trainer.global_rank}.json").write_text(json.dumps(self.curve))
-
-        return Accuracy()
-
-
-def _install(args: argparse.Namespace) -> None:
-    """In the worker: the LayerPolicy of the row, and for the digits rows the ResNet and the digits
-    in place of compare.py's GPT and text (its worker imports them from the packages at call time)."""
-    import demo_lightning.data
-    import demo_lightning.models
+def _install() -> None:
+    """In the worker: the LayerPolicy of the row on the Trainer, beside compare.py's callbacks."""
     from demo_lightning.callbacks import LayerPolicy
 
     def callbacks(method: compare.Method) -> list[Any]:
         extra = [LayerPolicy(**_POLICY_OF[id(method)], print_settings=False)] if id(method) in _POLICY_OF else []
-        if args.method in TASKS["digits"]:
-            extra.append(_Accuracy(args.out))
         return [*_compare_callbacks(method), *extra]
 
     compare._callbacks = callbacks
-    if args.method in TASKS["digits"]:
-        def model(*, optimizer: str, lr: float, warmup_steps: int, max_steps: int, **_: Any) -> Any:
-            return demo_lightning.models.ImageClassifier(
-                DIGITS_MODEL, model_kwargs=dict(DIGITS_KWARGS), optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps,
-            )
-
-        def data(*, batch_size: int, **_: Any) -> Any:
-            return demo_lightning.data.ImageDataModule(image_size=DIGITS_SIZE, batch_size=batch_size)
-
-        demo_lightning.models.GPTLightningModule = model  # type: ignore[assignment]
-        demo_lightning.data.TextDataModule = data  # type: ignore[assignment]
 
 
 def _run(name: str, compare_args: list[str], workdir: Path) -> dict[str, Any]:
     """compare.run_method with this file as the worker (its rows), plus the accuracy curve."""
     args = compare.parse_args(compare_args)
-    out = workdir / f"{name}_w2"
     record = compare.run_method(name, 2, args, workdir, script=Path(__file__))
     record["policy"] = POLICIES.get(name)
-    acc = workdir / f"{out.name}.acc.rank0.json"
-    record["val_acc_curve"] = json.loads(acc.read_text()) if acc.exists() else None
-    record["final_val_acc"] = record["val_acc_curve"][-1][1] if record["val_acc_curve"] else None
+    record.setdefault("val_acc_curve", None)  # the GPT has no accuracy
+    record.setdefault("final_val_acc", None)
     print(f"  val {record['final_val_loss']:.4f}  {compare._bytes(record['bytes_sent_per_step'])}/step  "
           f"ratio {record['ratio_vs_ddp']:.1f}x  ({record['wall_s']:.0f} s)", flush=True)
     return record
@@ -191,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--worker" in argv:
         args = compare.parse_args(argv)
-        _install(args)
+        _install()
         compare.worker(args)
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--tasks: unknown {unknown}; choose from {', '.join(TASKS)}")
         task_args = {  # compare.py's defaults for the GPT; the digits: its steps, validation every 50, warm-up 10
             "gpt": ["--steps", str(args.gpt_steps)],
-            "digits": ["--steps", str(args.digits_steps), "--val-every", "50", "--warmup-steps", "10",
+            "digits": ["--corpus", compare.DIGITS, "--steps", str(args.digits_steps), "--val-every", "50", "--warmup-steps", "10",
                        "--batch-size", str(args.digits_batch_size)],
         }
         workdir = Path(args.workdir)

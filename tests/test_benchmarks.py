@@ -148,6 +148,35 @@ def test_compare_quick_run_writes_records_plots_and_a_table_that_rerenders(tmp_p
     assert table.strip() in proc.stdout
 
 
+def test_compare_digits_task_trains_the_resnet_and_records_accuracy_and_exact_bytes(tmp_path: Path) -> None:
+    """``--corpus digits``: the vision task (the timm ResNet-10t on scikit-learn's digits) through the same
+    worker and merge; the bytes are the codec's layout for the ResNet's tensors (4-D convolutions tiled
+    as ``(out, in * kh * kw)``), recomputed here."""
+    import timm
+
+    compare = _load_compare()
+    out = tmp_path / "results"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--corpus", "digits", "--methods", "demo-sign1bit",
+           "--world-sizes", "2", "--steps", "3", "--val-every", "3", "--warmup", "1", "--batch-size", "8",
+           "--out", str(out), "--workdir", str(tmp_path / "work"), "--no-plots"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    saved = json.loads((out / "latest.json").read_text())
+    meta, (record,) = saved["meta"], saved["records"]
+    net = timm.create_model(compare.DIGITS_MODEL, pretrained=False, num_classes=10, in_chans=3, **compare.DIGITS_KWARGS)
+    params = [p for p in net.parameters() if p.requires_grad]
+    assert record["n_trainable"] == sum(p.numel() for p in params) == meta["n_trainable"] and meta["corpus"] == "digits"
+    payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
+    dense = sum(4 * p.numel() for p in params if p.numel() < 4096)
+    assert record["bytes_sent_per_step"] == payload + dense + 9  # 2 workers: one all-gathered payload, dense all-reduce, guard
+    assert [s for s, _ in record["val_acc_curve"]] == [3] and 0 <= record["final_val_acc"] <= 1
+    assert 0 < record["final_val_loss"] < 10 and record["final_val_loss"] == record["val_curve"][-1][1]
+    table = (out / "latest.md").read_text()
+    assert f"timm {compare.DIGITS_MODEL} on the digits at 32x32, 8 images per worker per step" in table
+    with pytest.raises(SystemExit):  # neither a named corpus, the digits, nor a path
+        compare.parse_args(["--corpus", str(tmp_path / "no-such-text")])
+
+
 def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() -> None:
     compare = _load_compare()
     base = compare.METHODS["demo-sign1bit"]

@@ -70,6 +70,33 @@ def test_run_without_a_sweep_or_rates_says_what_to_do(tmp_path: Path) -> None:
     assert info.value.code == 2  # argparse's usage error (--sizes: unknown ['huge']), before any sweep is read
 
 
+def test_run_digits_launches_the_vision_task_once_per_seed_whatever_the_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--corpora digits`` runs compare.py's ``--corpus digits`` (its own model, 32 images per worker), one
+    cell per seed and method, named and rendered with the size ``resnet10t``."""
+    launched: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: object) -> None:  # stands in for compare.py: the cell it would write
+        launched.append(cmd)
+        folder = Path(cmd[cmd.index("--out") + 1])
+        folder.mkdir(parents=True)
+        method, seed = cmd[cmd.index("--methods") + 1], int(cmd[cmd.index("--seed") + 1])
+        meta = {"command": " ".join(cmd[1:]), "corpus": "digits", "seed": seed, "lr": 1e-3, "d_model": 128, "n_layer": 2}
+        record = {"method": method, "world_size": 2, "final_val_loss": 0.05 if method == "ddp" else 0.06, "bytes_sent_per_step": 10.0,
+                  "ratio_vs_ddp": 70.0, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 700.0, "n_trainable": 1}
+        (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+
+    monkeypatch.setattr(parity.subprocess, "run", fake_run)
+    parity.main(["run", "--corpora", "digits", "--sizes", "small,medium", "--seeds", "0,1", "--methods", "ddp,demo-sign1bit",
+                 "--lr", "ddp=0.001,demo-sign1bit=0.001", "--out", str(tmp_path)])
+    assert len(launched) == 4  # 2 seeds x 2 methods, not x 2 sizes
+    for cmd in launched:
+        assert cmd[cmd.index("--corpus") + 1] == "digits" and cmd[cmd.index("--batch-size") + 1] == "32"
+        assert "--d-model" not in cmd and "--n-layer" not in cmd
+        assert Path(cmd[cmd.index("--out") + 1]).name.startswith("digits_resnet10t_s")
+    table = (tmp_path / "latest.md").read_text()
+    assert "| digits | resnet10t | 2 | demo-sign1bit | 0.001 | 2 | 0.0600 (0.0600-0.0600) | 1.2000 (1.2000-1.2000)x | 70x | missed |" in table
+
+
 def _cell_w(out: Path, corpus: str, world: int, method: str, lr: float, loss: float, ratio: float) -> None:
     _write_cell(out, corpus, 0, world, method, lr, loss, ratio)
 
