@@ -452,9 +452,13 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             if not trainer.sanity_checking and trainer.state.fn == "fit":
-                self.val_curve.append((int(trainer.global_step), float(trainer.callback_metrics["val/loss"])))
-                if "val/acc" in trainer.callback_metrics:
-                    self.val_acc_curve.append((int(trainer.global_step), float(trainer.callback_metrics["val/acc"])))
+                self.add_validation(int(trainer.global_step), trainer.callback_metrics)
+
+        def add_validation(self, step: int, metrics: Any) -> None:
+            """One validation's loss, and its accuracy where the model logs one (the digits)."""
+            self.val_curve.append((step, float(metrics["val/loss"])))
+            if "val/acc" in metrics:
+                self.val_acc_curve.append((step, float(metrics["val/acc"])))
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
     schedule = dict(optimizer=method.optimizer, lr=method.lr if args.lr is None else args.lr, warmup_steps=args.warmup_steps,
@@ -475,10 +479,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     trainer.fit(model, datamodule=data)
     if not recorder.val_curve or recorder.val_curve[-1][0] != trainer.global_step:
-        metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
-        recorder.val_curve.append((int(trainer.global_step), float(metrics["val/loss"])))
-        if "val/acc" in metrics:
-            recorder.val_acc_curve.append((int(trainer.global_step), float(metrics["val/acc"])))
+        recorder.add_validation(int(trainer.global_step), trainer.validate(model, datamodule=data, verbose=False)[0])
     allreduce_s = 0.0
     if method.kind == "ddp" and dist.is_initialized():  # the all-reduce DDP overlapped with backward, timed alone
         flat = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))

@@ -108,7 +108,7 @@ def _install() -> None:
 
 
 def _run(name: str, compare_args: list[str], workdir: Path) -> dict[str, Any]:
-    """compare.run_method with this file as the worker (its rows), plus the accuracy curve."""
+    """compare.run_method with this file as the worker (its rows) and the row's LayerPolicy arguments."""
     args = compare.parse_args(compare_args)
     record = compare.run_method(name, 2, args, workdir, script=Path(__file__))
     record["policy"] = POLICIES.get(name)
