@@ -54,7 +54,7 @@ one elementwise pass with the decay).
 
 Part 2 (bytes, closed forms): for the bundled GPT (``demo_lightning.models.GPT()``) the payload
 one worker hands to the collectives per step (``CodecConfig.payload_bytes`` per trainable
-tensor; tensors below ``dense_below`` go to an fp32 all-reduce) is put through the ledger's ring
+tensor; tensors below ``dense_below`` go to an all-reduce in ``dense_format``, bf16 by default) is put through the ledger's ring
 models (``ring_all_gather_bytes`` for top-k, ``ring_all_reduce_bytes`` for low-pass float values
 and the dense tensors, ``ddp_bytes_per_step`` for DDP) for W = 2 .. 512. The payloads are checked
 against what a real ``CompressedMean`` call records in its ledger. The crossover is the smallest W
@@ -355,7 +355,7 @@ def byte_table(args: argparse.Namespace) -> dict[str, Any]:
     momenta = [torch.randn(p.shape) for p in params]
     for label, cfg in configs.items():
         mean = CompressedMean(cfg, Communicator())
-        dense = sum(4 * p.numel() for p in params if cfg.layout(tuple(p.shape))[0] is None)
+        dense = sum(cfg.dense_nbytes(p.numel()) for p in params if cfg.layout(tuple(p.shape))[0] is None)
         payload = sum(cfg.payload_bytes(tuple(p.shape)) for p in params if cfg.layout(tuple(p.shape))[0] is not None)
         ledger = mean.comm.ledger  # what a real call hands to the collectives (W = 1: recorded, not sent)
         ledger.begin_step()

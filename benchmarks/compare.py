@@ -92,7 +92,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,10 @@ METHODS: dict[str, Method] = {
         {"selection": "lowpass", "value_format": "bf16"},
     ),
     "demo-int8": Method("DeMo top-k 64/4096, int8 values, SGD", "demo", "sgd", DEMO_LR, {"value_format": "int8"}),
-    "demo-sign1bit": Method("DeMo top-k 64/4096, 1-bit signs (the default), SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign"}),
+    "demo-sign1bit": Method(
+        "DeMo top-k by workers (64 at 2), 1-bit signs, norms in fp32, SGD (the default before issue 18)", "demo", "sgd", DEMO_LR,
+        {"value_format": "sign"},
+    ),
     "desloc": Method(
         "DES-LOC K_x 256, K_u 768, K_v 1536, AdamW", "desloc", "adamw", ADAMW_LR,
         {"param_sync_every": 256, "state_sync_every": {"exp_avg": 768, "exp_avg_sq": 1536}},
@@ -287,6 +290,21 @@ for _k in (32, 64):
     METHODS[f"demo-sign1bit-k{_k}"] = Method(
         f"DeMo top-k {_k}/4096 at every world size, 1-bit signs, SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign", "topk": _k},
     )
+
+# issue 18 changed two of DeMoStrategy's defaults: the first 40 exchanges keep 4 times the default k (the early phase)
+# and tensors under dense_below go in bf16. "demo-default" is strategy="demo"'s defaults at this revision; every other
+# DeMo row keeps the settings it was measured with, so its stored results re-run as they were ("demo-sign1bit" is the
+# default before issue 18)
+PREVIOUS_DEFAULTS: dict[str, Any] = {"early_steps": 0, "dense_format": "fp32"}
+for _name, _method in list(METHODS.items()):
+    if _method.kind == "demo" or _method.options.get("compress_params"):
+        _pinned = PREVIOUS_DEFAULTS if _method.kind == "demo" else {"dense_format": "fp32"}
+        METHODS[_name] = replace(_method, options={**_pinned, **_method.options})
+METHODS["demo-default"] = Method(
+    "DeMo, strategy=\"demo\"'s defaults: k by workers (64 at 2) after 40 steps at 4x that, 1-bit signs, norms in bf16, SGD",
+    "demo", "sgd", DEMO_LR,
+)
+
 
 # ---------------------------------------------------------------------------------------------- worker
 def _callbacks(method: Method) -> list[Any]:

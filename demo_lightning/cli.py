@@ -72,6 +72,7 @@ def _number(low: float, open_low: bool, integer: bool = False) -> Callable[[str]
 
 def _plan_parser() -> argparse.ArgumentParser:
     from demo_lightning.codec import SELECTIONS, VALUE_FORMATS
+    from demo_lightning.algorithms.config import DENSE_FORMATS
     from demo_lightning.planning import METHODS, SHARED_VALUE_FORMATS
 
     parser = argparse.ArgumentParser(
@@ -99,6 +100,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shared-value-format", choices=SHARED_VALUE_FORMATS, default=None,
                         help="value format of the shared methods (default: --value-format if a float format, else bf16)")
     parser.add_argument("--dense-below", type=_number(0, False, integer=True), default=4096, help="tensors with fewer elements are sent densely (default 4096)")
+    parser.add_argument("--dense-format", choices=DENSE_FORMATS, default="bf16",
+                        help="wire format of the tensors sent densely (default bf16: 2 bytes an element; fp32: 4)")
     parser.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="largest payload of one collective, MB (default 25)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)} (default all)")
     return parser
@@ -122,7 +125,7 @@ def plan_main(argv: Sequence[str]) -> None:
         parser.error("argument --keep-ratio: give --topk or --keep-ratio, not both")
     try:
         codec = CodecConfig(chunk=a.chunk, topk=a.topk, keep_ratio=a.keep_ratio, selection=a.selection, value_format=a.value_format,
-                            dense_below=a.dense_below, bucket_cap_mb=a.bucket_cap_mb)
+                            dense_below=a.dense_below, dense_format=a.dense_format, bucket_cap_mb=a.bucket_cap_mb)
     except ValueError as error:
         parser.error(f"codec settings: {error}")
     topology = NodeTopology(a.nodes * a.devices_per_node, a.devices_per_node)
@@ -145,7 +148,7 @@ def _plan_header(a: argparse.Namespace, codec: Any, shapes: list[tuple[int, ...]
     shared = next((e.value_format for m, e in estimates.items() if "shared" in m), None)
     return "\n".join([
         f"Plan for {a.params:,} parameters (GPT-like shapes: d_model {d}, {blocks} blocks; {len(shapes)} tensors, {dense} "
-        f"below dense_below={codec.dense_below} sent densely) on {a.nodes} node(s) x {a.devices_per_node} rank(s) (W = {a.nodes * a.devices_per_node}).",
+        f"below dense_below={codec.dense_below} sent densely in {codec.dense_format}) on {a.nodes} node(s) x {a.devices_per_node} rank(s) (W = {a.nodes * a.devices_per_node}).",
         f"Links: {a.inter_gbps:g} Gbit/s per node between nodes (shared by its ranks), {a.intra_gbps:g} Gbit/s per rank inside a node; "
         f"latency {a.latency_ms:g} ms per inter-node hop, {a.intra_latency_ms:g} ms per intra-node hop; compute {a.step_compute_s:g} s per step.",
         f"Codec: chunk {codec.chunk}, {strength}, selection {codec.selection}, {codec.value_format} values"

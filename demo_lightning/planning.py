@@ -10,10 +10,11 @@ the estimate equals a real exchange's ``ledger.last_step`` to the byte (``tests/
 checks every method, record by record, on 4 gloo processes posing as 2 nodes of 2).
 
 Notation: ``W = N * G`` ranks, numbered node-major; ``n`` parameters in all; per tensor
-``P = CodecConfig.payload_bytes(shape)`` (bit-packed positions and values, ``4 * numel`` for a tensor
-below ``dense_below``, which is sent densely: an fp32 all-reduce); ``n_d`` the elements of the dense
+``P = CodecConfig.payload_bytes(shape)`` (bit-packed positions and values; for a tensor below
+``dense_below``, which is sent densely by an all-reduce, ``b_d * numel`` with ``b_d`` the bytes of the
+codec's ``dense_format``: 2 for bf16, the default, 4 for fp32); ``n_d`` the elements of the dense
 tensors; ``P_c`` the sum of ``P`` over the compressed ones. Parameters are fp32 (4 bytes per element
-for gradients, dense tensors and broadcast updates). Per rank per step, sent (= received) bytes:
+for gradients and broadcast updates). Per rank per step, sent (= received) bytes:
 
 ``ddp``
     DDP's ring all-reduce of every gradient: ``2 (W-1)/W * 4 n``; inter-node: ``1/G`` of it when
@@ -21,17 +22,17 @@ for gradients, dense tensors and broadcast updates). Per rank per step, sent (= 
 ``flat``
     today's ``strategy="demo"`` (every rank a DeMo worker): ring all-gather of the payload over all
     ``W`` ranks, ``(W-1) * P_c`` (one all-gather per bucket of ``bucket_cap_mb``), plus the dense
-    all-reduce ``2 (W-1)/W * 4 n_d``; inter share ``1/G`` when ``N > 1``. (A low-pass codec with a
+    all-reduce ``2 (W-1)/W * b_d n_d``; inter share ``1/G`` when ``N > 1``. (A low-pass codec with a
     float value format all-reduces instead: ``2 (W-1)/W * P_c``.)
 ``hierarchical``
     ``DeMoStrategy(hierarchy="node")``: (a) the node's ``G`` gradients are averaged by one dense
     all-reduce over the node, ``2 (G-1)/G * 4 n``, intra-node; (b) the tensors are split among the
     ``G`` local ranks (:func:`shard`: greedily by payload, the same on every rank); local rank ``i``
     runs the DeMo exchange of its share ``P_i``, ``n_d,i`` over the ``N`` ranks of local index ``i``
-    (one per node): ``(N-1) * P_i + 2 (N-1)/N * 4 n_d,i``, all of it inter-node (inter share 1: one
+    (one per node): ``(N-1) * P_i + 2 (N-1)/N * b_d n_d,i``, all of it inter-node (inter share 1: one
     member per node); (c) each local rank broadcasts the updates of its share to its node (fp32;
     ring broadcast: every rank but the one before the root forwards it). Mean per rank: inter
-    ``(N-1) P_c / G + 2 (N-1)/N * 4 n_d / G``, intra ``2 (G-1)/G * 4 n + (G-1)/G * 4 n``.
+    ``(N-1) P_c / G + 2 (N-1)/N * b_d n_d / G``, intra ``2 (G-1)/G * 4 n + (G-1)/G * 4 n``.
 ``shared``
     ``selection="shared"`` (ScaleCom's cyclic local top-k): each step one rank, in turn, picks the
     positions from its own momentum and broadcasts them bit-packed over the ``W`` ranks (one
@@ -189,7 +190,7 @@ class _Tensor:
     dense: bool
     payload: int  # CodecConfig.payload_bytes: the flat/hierarchical exchange's bytes per worker
     index_bytes: int  # shared: bit-packed positions (0 when dense)
-    value_bytes: int  # shared: the values in the shared value format (4 * numel when dense)
+    value_bytes: int  # shared: the values in the shared value format (the dense format's bytes when dense)
 
 
 @functools.lru_cache(maxsize=32)
@@ -199,7 +200,8 @@ def _tensors(shapes: tuple[tuple[int, ...], ...], codec: CodecConfig, shared_for
         numel = math.prod(shape)
         layout, k = codec.layout(shape)
         if layout is None:
-            out.append(_Tensor(numel, True, 4 * numel, 0, 4 * numel))
+            dense = codec.dense_nbytes(numel)
+            out.append(_Tensor(numel, True, dense, 0, dense))
             continue
         positions = positions_nbytes(layout.n_tiles, k, layout.tile_numel)
         out.append(_Tensor(numel, False, codec.payload_bytes(shape), positions, values_nbytes(layout.n_tiles, k, shared_format)))  # type: ignore[arg-type]
@@ -293,7 +295,7 @@ def _exchange(
         leader = None if step is None else step % world
         out.append(ModeledCollective("broadcast", "demo/positions", sum(t.index_bytes for t in compressed), world, rank, link, share, root=leader))
     if any(t.dense for t in tensors):
-        out.append(ModeledCollective("all_reduce", "demo/dense", sum(4 * t.numel for t in tensors if t.dense), world, rank, link, share))
+        out.append(ModeledCollective("all_reduce", "demo/dense", sum(t.payload for t in tensors if t.dense), world, rank, link, share))
     if shared:
         for bucket in _buckets([compressed[i].index_bytes + compressed[i].value_bytes for i in range(len(compressed))], codec.bucket_cap_mb):
             out.append(ModeledCollective("all_reduce", "demo/shared", sum(compressed[i].value_bytes for i in bucket), world, rank, link, share))

@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bytes_sent_per_step=ledger.steps_sent_bytes / max(1, ledger.steps),
             bytes_received_per_step=ledger.steps_received_bytes / max(1, ledger.steps),
             ratio_vs_ddp=ledger.cumulative_ratio_vs_ddp,
+            last_step_ratio_vs_ddp=ledger.last_step.ratio_vs_ddp if ledger.last_step is not None else None,
             bytes_by_tag={tag: t.sent_bytes for tag, t in ledger.totals.items()},
         )
         if isinstance(strat, demo_lightning.DeMoStrategy) and strat.last_stats is not None:
@@ -153,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\n== {name}: {world} workers, {trainer.global_step} optimizer steps, {n_trainable:,} parameters ==")
         print(f"validation loss          {val_loss:.4f} nats/byte")
         print(f"bytes sent per step      {summary['bytes_sent_per_step']:,.0f} per worker, mean over steps (DDP: {ddp_bytes:,.0f})")
-        print(f"ratio vs DDP             {summary['ratio_vs_ddp']:.1f}x fewer bytes")
+        last, demo = summary.get("last_step_ratio_vs_ddp"), getattr(strat, "demo_config", None)
+        late = (f" over the run; the last step {last:.1f}x (the first {demo.early_steps} exchanges keep "
+                f"{demo.early_topk_factor}x the coefficients)") if last and demo is not None and demo.has_early_phase else ""
+        print(f"ratio vs DDP             {summary['ratio_vs_ddp']:.1f}x fewer bytes{late}")
         print(f"step time                {step_time * 1000:.1f} ms")
         if "exchange_share" in summary:
             print(f"exchange share of step   {100 * summary['exchange_share']:.1f} % (collectives {100 * summary['exchange_comm_share']:.1f} %)")

@@ -55,7 +55,7 @@ def test_codec_benchmark_quick_runs_and_its_byte_table_matches_the_ledger_formul
     # bytes: recomputed from the GPT's tensors, the wire layout and the ring formulas
     params = list(GPT().parameters())
     n = sum(p.numel() for p in params)
-    dense = sum(4 * p.numel() for p in params if p.numel() < 4096)
+    dense = sum(2 * p.numel() for p in params if p.numel() < 4096)  # the norms, all-reduced in bf16 (dense_format)
     table = result["bytes"]
     assert table["n_trainable"] == n == 1_846_656
     rows = {row["world_size"]: row for row in table["rows"]}
@@ -128,7 +128,7 @@ def test_compare_quick_run_writes_records_plots_and_a_table_that_rerenders(tmp_p
     # ours, before any DES-LOC sync: the top-k sign payload (all-gathered: (W-1) x payload), the dense
     # tensors' fp32 all-reduce and the guard's 9 bytes (its flag byte and the exchange's plan digest), exactly
     payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
-    dense = sum(4 * p.numel() for p in params if p.numel() < 4096)
+    dense = sum(2 * p.numel() for p in params if p.numel() < 4096)  # the norms, all-reduced in bf16 (dense_format)
     assert ours["bytes_sent_per_step"] == ours["bytes_received_per_step"] == payload + dense + 9
     assert ours["ratio_vs_ddp"] > 50 and 0 < ours["exchange_share"] < 1
     # long run: the parameter average (every 256) and the residual average (every 512), which 6 steps
@@ -167,7 +167,7 @@ def test_compare_digits_task_trains_the_resnet_and_records_accuracy_and_exact_by
     params = [p for p in net.parameters() if p.requires_grad]
     assert record["n_trainable"] == sum(p.numel() for p in params) == meta["n_trainable"] and meta["corpus"] == "digits"
     payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
-    dense = sum(4 * p.numel() for p in params if p.numel() < 4096)
+    dense = sum(2 * p.numel() for p in params if p.numel() < 4096)  # the norms, all-reduced in bf16 (dense_format)
     assert record["bytes_sent_per_step"] == payload + dense + 9  # 2 workers: one all-gathered payload, dense all-reduce, guard
     assert [s for s, _ in record["val_acc_curve"]] == [3] and 0 <= record["final_val_acc"] <= 1
     assert 0 < record["final_val_loss"] < 10 and record["final_val_loss"] == record["val_curve"][-1][1]
@@ -181,9 +181,10 @@ def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() ->
     compare = _load_compare()
     base = compare.METHODS["demo-sign1bit"]
     got = compare.with_options(base, ["topk=256", "decay=0.999", "transform=haar"])
-    assert got.options == {"value_format": "sign", "topk": 256, "decay": 0.999, "transform": "haar"}
+    # demo-sign1bit is the default before issue 18: no early phase, norms in fp32 (compare.PREVIOUS_DEFAULTS)
+    assert got.options == {"early_steps": 0, "dense_format": "fp32", "value_format": "sign", "topk": 256, "decay": 0.999, "transform": "haar"}
     assert got.kind == base.kind and got.lr == base.lr and got.optimizer == base.optimizer
-    assert "topk=256" in got.description and base.options == {"value_format": "sign"}  # the table's method unchanged
+    assert "topk=256" in got.description and base.options == {"early_steps": 0, "dense_format": "fp32", "value_format": "sign"}  # unchanged
     assert compare.with_options(compare.METHODS["ddp"], ["topk=256"]) is compare.METHODS["ddp"]  # Lightning's DDP: none of ours
     assert compare.with_options(base, None) is base
     with pytest.raises(SystemExit, match="KEY=VALUE"):

@@ -75,11 +75,11 @@ def _one_step(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
     ex.step()
     opt.step()
     return {"topk": ex.config.codec.topk, "sent": ex.comm.ledger.last_step.sent_bytes,
-            "payload": ex.payload_bytes(model.weight), "planned": CodecConfig(**{k: v for k, v in config.items()}).for_workers(world)}
+            "payload": ex.payload_bytes(model.weight), "planned": DeMoConfig.of(**config).codec.for_workers(world)}
 
 
 def test_three_gloo_workers_resolve_42_and_send_what_the_planner_models(tmp_path: Path) -> None:
-    ranks = run_workers(_one_step, 3, tmp_path, {})
+    ranks = run_workers(_one_step, 3, tmp_path, {"early_steps": 0})  # the steady state (test_early_phase: the first steps)
     assert {r["topk"] for r in ranks} == {42}
     explicit = run_workers(_one_step, 3, tmp_path / "explicit", {"topk": 42})
     assert [r["sent"] for r in ranks] == [r["sent"] for r in explicit]  # the same bytes as topk=42 given

@@ -336,20 +336,20 @@ def test_compressed_parameter_sync_keeps_replicas_identical_and_saves_bytes(tmp_
 
 
 def test_compressed_parameter_sync_keeping_everything_is_exact_averaging(tmp_path: Path) -> None:
-    r0, _ = run_workers(_compressed, 2, tmp_path, {"keep_ratio": 1.0, "value_format": "fp32", "dense_below": 200}, 4)
+    r0, _ = run_workers(_compressed, 2, tmp_path, {"keep_ratio": 1.0, "value_format": "fp32", "dense_below": 200, "dense_format": "fp32"}, 4)
     for a, b in zip(r0["compressed"]["params"], r0["exact"]["params"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_compressed_parameter_sync_at_one_bit_per_coefficient(tmp_path: Path) -> None:
     # lowpass keeping every coefficient, sign values: no positions, 1 bit per coefficient + one fp32
-    # scale per 64x64 tile; the biases (< dense_below) go as fp32 all-reduces
+    # scale per 64x64 tile; the biases (< dense_below) go as bf16 all-reduces (dense_format's default)
     codec = {"selection": "lowpass", "keep_ratio": 1.0, "value_format": "sign", "dense_below": 200}
     r0, r1 = run_workers(_compressed, 2, tmp_path, codec, 8)
     for t in range(2, 9, 2):
         assert r0["compressed"]["hashes"][t - 1] == r1["compressed"]["hashes"][t - 1]
     tiles = 2 * (128 * 64 // 4096)
-    per_sync = segment_nbytes(tiles, 4096, 4096, "sign", False) + 2 * (2 - 1) / 2 * 4 * (128 + 64)
+    per_sync = segment_nbytes(tiles, 4096, 4096, "sign", False) + 2 * (2 - 1) / 2 * 2 * (128 + 64)
     assert segment_nbytes(tiles, 4096, 4096, "sign", False) == tiles * (4 + 4096 // 8)
     assert r0["compressed"]["sent"] == pytest.approx(4 * per_sync)
     drift = max(float((a - b).abs().max()) for a, b in zip(r0["compressed"]["params"], r0["exact"]["params"]))

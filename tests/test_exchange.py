@@ -49,10 +49,10 @@ def test_world_size_one_equals_direct_computation() -> None:
     assert set(torch.unique(weight.grad).tolist()) <= {-1.0, 0.0, 1.0}
 
 
-def test_dense_tensors_send_everything() -> None:
+def test_dense_tensors_send_everything_in_fp32() -> None:  # bf16, the default: tests/test_dense_format.py
     bias = nn.Parameter(torch.zeros(10))
     opt = torch.optim.SGD([bias], lr=1.0)
-    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=100))
+    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=100, dense_format="fp32"))
     g = torch.randn(10)
     bias.grad = g.clone()
     stats = exchange.step()

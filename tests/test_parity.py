@@ -35,31 +35,31 @@ def _cell(out: Path, corpus: str, seed: int, method: str, lr: float, loss: float
 
 def test_render_uses_the_swept_rates_and_reports_spread_ratio_and_geometric_mean(tmp_path: Path) -> None:
     sweep = [{"method": "ddp", "lr": 1e-3, "loss": 2.0}, {"method": "ddp", "lr": 3e-3, "loss": 2.1},
-             {"method": "demo-sign1bit", "lr": 1e-3, "loss": 2.3}, {"method": "demo-sign1bit", "lr": 3e-3, "loss": 2.2}]
+             {"method": "demo-default", "lr": 1e-3, "loss": 2.3}, {"method": "demo-default", "lr": 3e-3, "loss": 2.2}]
     (tmp_path / "sweep.json").write_text(json.dumps({"corpus": "stdlib", "size": "small", "seed": 0, "world": 2, "steps": 10, "cells": sweep}))
-    assert parity.best_rates(tmp_path) == {"ddp": 1e-3, "demo-sign1bit": 3e-3}
+    assert parity.best_rates(tmp_path) == {"ddp": 1e-3, "demo-default": 3e-3}
     for seed, (ddp, demo) in enumerate([(2.0, 2.04), (2.2, 2.2)]):
         _cell(tmp_path, "prose", seed, "ddp", 1e-3, ddp, 1.0)
-        _cell(tmp_path, "prose", seed, "demo-sign1bit", 3e-3, demo, 120.0)
-    _cell(tmp_path, "prose", 0, "demo-sign1bit", 1e-3, 9.9, 120.0)  # not the best rate: left out
+        _cell(tmp_path, "prose", seed, "demo-default", 3e-3, demo, 120.0)
+    _cell(tmp_path, "prose", 0, "demo-default", 1e-3, 9.9, 120.0)  # not the best rate: left out
     _cell(tmp_path, "cpp", 0, "ddp", 1e-3, 1.0, 1.0)
-    _cell(tmp_path, "cpp", 0, "demo-sign1bit", 3e-3, 1.1, 90.0)
+    _cell(tmp_path, "cpp", 0, "demo-default", 3e-3, 1.1, 90.0)
     _cell(tmp_path, "stdlib", 0, "ddp", 1e-3, 2.0, 1.0)  # the tuning corpus: in the table, not in the mean
-    _cell(tmp_path, "stdlib", 0, "demo-sign1bit", 3e-3, 3.0, 120.0)
+    _cell(tmp_path, "stdlib", 0, "demo-default", 3e-3, 3.0, 120.0)
     parity.render(type("Args", (), {"out": str(tmp_path)})())
     table = (tmp_path / "latest.md").read_text()
-    prose = next(line for line in table.splitlines() if line.startswith("| prose") and "demo-sign1bit" in line)
+    prose = next(line for line in table.splitlines() if line.startswith("| prose") and "demo-default" in line)
     assert "| 2 | 2.1200 (2.0400-2.2000) | 1.0100 (1.0000-1.0200)x | 120x | met |" in prose
-    cpp = next(line for line in table.splitlines() if line.startswith("| cpp") and "demo-sign1bit" in line)
+    cpp = next(line for line in table.splitlines() if line.startswith("| cpp") and "demo-default" in line)
     assert "1.1000x | 90x | missed |" in cpp  # 10 % worse, and fewer than 100x
     geo = math.exp((math.log(1.02) + math.log(1.0) + math.log(1.1)) / 3)
-    assert f"- demo-sign1bit: {geo:.4f}x over 3 runs" in table
-    assert "| demo-sign1bit | 0.003 | 2.2000 | yes |" in (tmp_path / "sweep.md").read_text()
+    assert f"- demo-default: {geo:.4f}x over 3 runs" in table
+    assert "| demo-default | 0.003 | 2.2000 | yes |" in (tmp_path / "sweep.md").read_text()
     # rates given to `run --lr` replace the sweep's in the report (the cells exist, so nothing runs)
-    parity.main(["run", "--corpora", "prose", "--seeds", "0", "--methods", "demo-sign1bit", "--lr", "demo-sign1bit=0.001",
+    parity.main(["run", "--corpora", "prose", "--seeds", "0", "--methods", "demo-default", "--lr", "demo-default=0.001",
                  "--steps", "10", "--out", str(tmp_path)])
     table = (tmp_path / "latest.md").read_text()
-    assert "| prose | small | 2 | demo-sign1bit | 0.001 | 1 | 9.9000 |" in table
+    assert "| prose | small | 2 | demo-default | 0.001 | 1 | 9.9000 |" in table
 
 
 def test_run_without_a_sweep_or_rates_says_what_to_do(tmp_path: Path) -> None:
@@ -86,32 +86,32 @@ def test_run_digits_launches_the_vision_task_once_per_seed_whatever_the_sizes(tm
         (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
 
     monkeypatch.setattr(parity.subprocess, "run", fake_run)
-    parity.main(["run", "--corpora", "digits", "--sizes", "small,medium", "--seeds", "0,1", "--methods", "ddp,demo-sign1bit",
-                 "--lr", "ddp=0.001,demo-sign1bit=0.001", "--out", str(tmp_path)])
+    parity.main(["run", "--corpora", "digits", "--sizes", "small,medium", "--seeds", "0,1", "--methods", "ddp,demo-default",
+                 "--lr", "ddp=0.001,demo-default=0.001", "--out", str(tmp_path)])
     assert len(launched) == 4  # 2 seeds x 2 methods, not x 2 sizes
     for cmd in launched:
         assert cmd[cmd.index("--corpus") + 1] == "digits" and cmd[cmd.index("--batch-size") + 1] == "32"
         assert "--d-model" not in cmd and "--n-layer" not in cmd
         assert Path(cmd[cmd.index("--out") + 1]).name.startswith("digits_resnet10t_s")
     table = (tmp_path / "latest.md").read_text()
-    assert "| digits | resnet10t | 2 | demo-sign1bit | 0.001 | 2 | 0.0600 (0.0600-0.0600) | 1.2000 (1.2000-1.2000)x | 70x | missed |" in table
+    assert "| digits | resnet10t | 2 | demo-default | 0.001 | 2 | 0.0600 (0.0600-0.0600) | 1.2000 (1.2000-1.2000)x | 70x | missed |" in table
 
 
 def _cell_w(out: Path, corpus: str, world: int, method: str, lr: float, loss: float, ratio: float) -> None:
     _write_cell(out, corpus, 0, world, method, lr, loss, ratio)
 
 
-def test_an_explicit_k_equal_to_the_default_answers_for_the_default_and_other_rates_are_listed(tmp_path: Path) -> None:
+def test_an_explicit_k_has_no_target_and_other_rates_are_listed(tmp_path: Path) -> None:
     (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-sign1bit-k32": 1e-3, "demo-sign1bit-k64": 1e-3}))
     _cell_w(tmp_path, "prose", 4, "ddp", 1e-3, 2.0, 1.0)
-    _cell_w(tmp_path, "prose", 4, "demo-sign1bit-k32", 1e-3, 2.08, 103.0)  # the default's k at 4 workers
+    _cell_w(tmp_path, "prose", 4, "demo-sign1bit-k32", 1e-3, 2.08, 103.0)  # the default's k at 4, without its early phase
     _cell_w(tmp_path, "prose", 4, "demo-sign1bit-k64", 1e-3, 2.04, 62.0)  # not the default there
     _cell_w(tmp_path, "prose", 4, "demo-sign1bit-k32", 2e-3, 2.5, 103.0)  # another rate: an ablation row
     parity.render(type("Args", (), {"out": str(tmp_path)})())
     table = (tmp_path / "latest.md").read_text()
-    assert "| demo-sign1bit-k32 (the default at W = 4) | 0.001 | 1 | 2.0800 | 1.0400x | 103x | met |" in table
-    assert "| demo-sign1bit-k64 | 0.001 | 1 | 2.0400 | 1.0200x | 62x |  |" in table  # no target: not what strategy="demo" runs at 4
-    assert "- demo-sign1bit: 1.0400x over 1 runs" in table
+    assert "| demo-sign1bit-k32 | 0.001 | 1 | 2.0800 | 1.0400x | 103x |  |" in table  # no target: not what strategy="demo" runs
+    assert "| demo-sign1bit-k64 | 0.001 | 1 | 2.0400 | 1.0200x | 62x |  |" in table
+    assert "- demo-default:" not in table
     assert "| prose | small | 4 | demo-sign1bit-k32 | 0.002 | 0 | 2.5000 | 1.2500x | 103x |" in table.split("Other rates", 1)[1]
     # a later run with a rate for one method keeps the rates given before
     parity.main(["run", "--corpora", "prose", "--world-sizes", "4", "--methods", "ddp", "--lr", "ddp=0.001", "--steps", "10",
@@ -122,7 +122,7 @@ def test_an_explicit_k_equal_to_the_default_answers_for_the_default_and_other_ra
                  "demo-sign1bit-k32=0.002", "--ablation", "--steps", "10", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "rates.json").read_text())["demo-sign1bit-k32"] == 1e-3
     table = (tmp_path / "latest.md").read_text()
-    assert "| demo-sign1bit-k32 (the default at W = 4) | 0.001 | 1 | 2.0800 | 1.0400x | 103x | met |" in table
+    assert "| demo-sign1bit-k32 | 0.001 | 1 | 2.0800 | 1.0400x | 103x |  |" in table
     assert "| prose | small | 4 | demo-sign1bit-k32 | 0.002 | 0 | 2.5000 | 1.2500x | 103x |" in table.split("Other rates", 1)[1]
 
 
@@ -143,24 +143,24 @@ def _cell_opt(out: Path, corpus: str, seed: int, method: str, loss: float, ratio
 def test_option_rows_are_named_by_their_settings_and_answer_for_the_default_only_with_its_own_settings(tmp_path: Path) -> None:
     from demo_lightning.algorithms import DeMoConfig
 
-    assert parity.cell_name("prose", "small", 0, 2, "demo-sign1bit", 1e-3, 520, ("decay=0.999",)) == \
-        "prose_small_s0_w2_demo-sign1bit+decay-0.999_lr0.001_t520"
+    assert parity.cell_name("prose", "small", 0, 2, "demo-default", 1e-3, 520, ("decay=0.999",)) == \
+        "prose_small_s0_w2_demo-default+decay-0.999_lr0.001_t520"
     own = DeMoConfig().decay
     assert parity.default_settings((f"decay={own}",)) and parity.default_settings(())
     assert not parity.default_settings(("decay=0.5",)) and not parity.default_settings(("no_such_setting=1",))
-    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-sign1bit": 1e-3}))
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-default": 1e-3}))
     for seed, (ddp, at_default, other) in enumerate([(2.0, 2.04, 2.2), (2.2, 2.2, 2.31)]):
         _cell_opt(tmp_path, "prose", seed, "ddp", ddp, 1.0, ())
-        _cell_opt(tmp_path, "prose", seed, "demo-sign1bit", at_default, 110.0, (f"decay={own}",))
-        _cell_opt(tmp_path, "prose", seed, "demo-sign1bit", other, 110.0, ("decay=0.5",))
+        _cell_opt(tmp_path, "prose", seed, "demo-default", at_default, 110.0, (f"decay={own}",))
+        _cell_opt(tmp_path, "prose", seed, "demo-default", other, 110.0, ("decay=0.5",))
     parity.render(type("Args", (), {"out": str(tmp_path)})())
     table = (tmp_path / "latest.md").read_text()
     # the default's own settings, given explicitly: the default's row, with its target
-    assert f"| demo-sign1bit[decay={own}] (the default's settings) | 0.001 | 2 | 2.1200 (2.0400-2.2000) | 1.0100 (1.0000-1.0200)x | 110x | met |" in table
-    assert "| demo-sign1bit[decay=0.5] | 0.001 | 2 | 2.2550 (2.2000-2.3100) | 1.0750 (1.0500-1.1000)x | 110x |  |" in table
+    assert f"| demo-default[decay={own}] (the default's settings) | 0.001 | 2 | 2.1200 (2.0400-2.2000) | 1.0100 (1.0000-1.0200)x | 110x | met |" in table
+    assert "| demo-default[decay=0.5] | 0.001 | 2 | 2.2550 (2.2000-2.3100) | 1.0750 (1.0500-1.1000)x | 110x |  |" in table
     geo_other, geo_default = math.sqrt(1.1 * 1.05), math.sqrt(1.02 * 1.0)
-    assert f"- demo-sign1bit: {geo_default:.4f}x over 2 runs" in table
-    assert f"- demo-sign1bit[decay=0.5]: {geo_other:.4f}x over 2 runs; the default {geo_default:.4f}x over 2 of them" in table
+    assert f"- demo-default: {geo_default:.4f}x over 2 runs" in table
+    assert f"- demo-default[decay=0.5]: {geo_other:.4f}x over 2 runs; the default {geo_default:.4f}x over 2 of them" in table
     with pytest.raises(SystemExit, match="holds no cells"):
         parity.render(type("Args", (), {"out": str(tmp_path / "empty")})())
 

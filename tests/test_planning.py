@@ -43,7 +43,7 @@ SCRIPT = Path(sys.executable).parent / "demo-lightning"
 
 # two 2-D tensors (6 + 1 tiles of 64x64) and a 50-vector sent densely
 SHAPES = [(128, 192), (64, 64), (50,)]
-CODEC = CodecConfig(topk=32, dense_below=100, value_format="bf16")
+CODEC = CodecConfig(topk=32, dense_below=100, value_format="bf16", dense_format="fp32")  # the hand formulas: 4 bytes a dense element
 TILE_PAYLOAD = math.ceil(32 * 12 / 8) + 32 * 2  # 12-bit positions + bf16 values: 48 + 64 = 112 bytes per tile
 N_PARAMS = 128 * 192 + 64 * 64 + 50
 
@@ -91,7 +91,7 @@ def test_shared_by_hand_flat_and_hierarchical() -> None:
     # shares as above; over N = 2: (N-1)/N I_i + 2 (N-1)/N V_i (+ the dense share's all-reduce)
     assert hs.rank_inter_node_bytes == (6 * 48 / 2 + 6 * 64, 200.0, 48 / 2 + 64, 0.0)
     # with sign values (not summable) the shared methods fall back to bf16, or take the one given
-    assert estimate(SHAPES, top, "shared", CodecConfig(topk=32, dense_below=100)).sent_bytes == 1428.0
+    assert estimate(SHAPES, top, "shared", CodecConfig(topk=32, dense_below=100, dense_format="fp32")).sent_bytes == 1428.0
     fp32 = estimate(SHAPES, top, "shared", CODEC, shared_value_format="fp32")
     assert fp32.sent_bytes == 7 / 8 * index + 2 * 7 / 8 * (2 * values) + 2 * 7 / 8 * 200
     with pytest.raises(ValueError, match="shared_value_format"):
@@ -133,7 +133,7 @@ def test_hierarchical_with_one_rank_per_node_is_flat_and_shared_is_independent_o
 
 def test_lowpass_float_is_all_reduced_and_small_buckets_make_more_collectives() -> None:
     top = NodeTopology(4, 2)
-    low = CodecConfig(topk=8, dense_below=100, selection="lowpass", value_format="fp32")
+    low = CodecConfig(topk=8, dense_below=100, selection="lowpass", value_format="fp32", dense_format="fp32")
     e = estimate(SHAPES, top, "flat", low)
     assert e.sent_bytes == 2 * 3 / 4 * (7 * 8 * 4) + 2 * 3 / 4 * 200
     small = CodecConfig(topk=32, dense_below=100, value_format="bf16", bucket_cap_mb=100 / (1024 * 1024))

@@ -38,7 +38,7 @@ LEADER = {0: 0, 2: 0, 4: 4, 1: 1, 3: 1}
 
 def _config(group: int, value_format: str = "fp32") -> DeMoConfig:
     return DeMoConfig.of(chunk=TILE, topk=K, value_format=value_format, dense_below=64, decay=DECAY, update="raw",
-                         position_group_size=group)
+                         position_group_size=group, dense_format="fp32")  # the hand counts: the dense tensor in fp32
 
 
 def _run(rank: int, world: int, group: int, value_format: str) -> dict[str, Any]:
@@ -202,7 +202,7 @@ def test_group_size_one_is_the_plain_exchange_bitwise() -> None:
             exchange.step()
         return [p.grad for p in params]
 
-    plain = DeMoConfig.of(chunk=TILE, topk=K, value_format="fp32", dense_below=64, decay=DECAY, update="raw")
+    plain = DeMoConfig.of(chunk=TILE, topk=K, value_format="fp32", dense_below=64, decay=DECAY, update="raw", dense_format="fp32")
     for a, b in zip(run(plain), run(_config(1))):
         assert torch.equal(a, b)
     # and a group changes what is sent (the negative control)

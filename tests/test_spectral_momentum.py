@@ -111,7 +111,8 @@ def test_retiling_on_chunk_and_dense_changes_keeps_each_momentum() -> None:
     exact = nn.Parameter(torch.randn(64, 64, dtype=torch.float64))
     padded = nn.Parameter(torch.randn(40, 72, dtype=torch.float64))
     opt = torch.optim.SGD([exact, padded], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0), decay=0.9, update="raw"))
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_format="fp32"),
+                                            decay=0.9, update="raw"))  # fp32: a dense tensor sends everything
 
     def step() -> None:
         exact.grad, padded.grad = torch.randn_like(exact), torch.randn_like(padded)
@@ -143,7 +144,7 @@ def _retile_on_every_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(72, 40), nn.Tanh(), nn.Linear(40, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=8, dense_below=100)), Communicator())
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=8, dense_below=100, dense_format="fp32")), Communicator())
     schedule = {2: TensorSettings(chunk=16), 4: TensorSettings(dense=True), 5: TensorSettings(dense=False, topk=3), 6: None}
     params, momenta = [], []
     for step in range(steps):
@@ -163,7 +164,7 @@ def test_retiling_runs_identically_on_every_rank_and_replicas_stay_bitwise_equal
     r0, r1 = run_workers(_retile_on_every_rank, 2, tmp_path, 8, timeout=120)
     assert r0["params"] == r1["params"]
     differ = [a != b for a, b in zip(r0["momenta"], r1["momenta"])]
-    assert differ[4] is False  # dense at step 4: both residuals cleared
+    assert differ[4] is False  # dense (fp32) at step 4: both residuals cleared
     assert sum(differ) >= 6  # negative control: the ranks' own momenta differ at the compressed steps
 
 

@@ -11,8 +11,9 @@ input ``x`` on each worker::
     mean    = IDCT(sum_{r=0..W-1} scatter(I_r, V^_r) / W)[:R, :C]
 
 ``DCT`` is the codec's ``transform`` (``"dct"``, ``"haar"`` or ``"identity"``: see
-:mod:`~demo_lightning.codec.bases`). Tensors with fewer than ``dense_below`` elements skip the codec: ``mean`` is an fp32 all-reduce of
-``x`` divided by W and ``sent`` is ``x`` itself. The DeMo exchange
+:mod:`~demo_lightning.codec.bases`). Tensors with fewer than ``dense_below`` elements skip the codec: ``mean`` is an all-reduce of ``x``
+in ``dense_format`` (bfloat16 by default, or the compute dtype) divided by W, and ``sent`` is ``x``
+as that format rounded it (``x`` itself under ``"fp32"``). The DeMo exchange
 (:class:`~demo_lightning.algorithms.DeMoExchange`) runs the same stages on its momentum, which it
 keeps in coefficient space instead.
 
@@ -99,9 +100,10 @@ class CompressedMean:
 
         with stage_range(CODEC.transport):
             dense_pending = []
-            for group in plan.dense_groups.values():
-                flat = torch.cat([inputs[i.position].reshape(-1).to(i.dtype) for i in group])
-                dense_pending.append((group, flat, self.comm.all_reduce_sum_(flat, f"{tag}/dense")))
+            for (dtype, _), group in plan.dense_groups.items():
+                flat = torch.cat([inputs[i.position].reshape(-1).to(self.config.dense_dtype(dtype)) for i in group])
+                sent = flat.to(dtype, copy=True)  # what this worker contributes, as the wire format rounded it
+                dense_pending.append((group, flat, sent, self.comm.all_reduce_sum_(flat, f"{tag}/dense")))
 
         with stage_range(CODEC.encode):
             spectra = {key: torch.empty(f.numel, dtype=f.dtype, device=f.device) for key, f in plan.families.items()}
@@ -116,7 +118,7 @@ class CompressedMean:
                                       for run in bucket], tag)
                 for bucket in plan.buckets
             ]
-            for _, _, work in dense_pending:
+            for *_, work in dense_pending:
                 work.wait()
 
         def keep(out: list[Optional[Tensor]]):  # type: ignore[no-untyped-def]
@@ -125,11 +127,12 @@ class CompressedMean:
             return write
 
         with stage_range(CODEC.decode):
-            for group, flat, _ in dense_pending:
-                flat.div_(world)
-                for item, part in zip(group, torch.split(flat, [i.numel for i in group])):
+            for group, flat, sent, _ in dense_pending:
+                total = flat.to(sent.dtype).div_(world)
+                sizes = [i.numel for i in group]
+                for item, part, own in zip(group, torch.split(total, sizes), torch.split(sent, sizes)):
                     mean_out[item.position] = part.view(item.shape)
-                    sent_out[item.position] = inputs[item.position].to(item.dtype)
+                    sent_out[item.position] = own.view(item.shape)
             means = zeroed_means(plan, workspace)
         for waiting in pending:  # bucket by bucket: later buckets stay in flight while earlier ones are summed
             with stage_range(CODEC.transport):

@@ -16,7 +16,7 @@ from demo_lightning.codec.bases import TRANSFORMS, Transform
 from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
 
 __all__ = [
-    "DEFAULT_TOPK", "GATHERED_PER_TILE", "MIN_DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection",
+    "DENSE_FORMATS", "DEFAULT_TOPK", "DenseFormat", "GATHERED_PER_TILE", "MIN_DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection",
     "TensorCodec", "compute_dtype", "default_topk",
 ]
 
@@ -28,6 +28,11 @@ GATHERED_PER_TILE = 128
 MIN_DEFAULT_TOPK = 8
 """The default k never goes below this (from 16 workers on, the all-gather's bytes grow with W again)."""
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DenseFormat = Literal["fp32", "bf16"]
+"""How the tensors under ``dense_below`` travel: ``"fp32"`` (their compute dtype: fp32, or fp64 for
+double tensors) or ``"bf16"`` (rounded to bfloat16, half the bytes; the rounding error stays with
+the sender, in its residual momentum or the caller's error feedback)."""
+DENSE_FORMATS: tuple[str, ...] = get_args(DenseFormat)
 ExchangeSelection = Literal["topk", "lowpass", "shared"]
 """Which coefficients a worker sends: its own top-k per tile, the fixed lowest frequencies, or the
 positions one worker chose for everybody this step (``"shared"``, see :class:`CodecConfig`)."""
@@ -80,7 +85,14 @@ class CodecConfig:
             :mod:`demo_lightning.codec.packing` for each format's bytes and rounding.
         fp16_share: with ``value_format="mixed"``, the share of each tile's kept values sent in fp16
             (``ceil(fp16_share * k)``, at least one), in (0, 1); default a quarter.
-        dense_below: tensors with fewer elements are all-reduced densely in fp32 (0 disables).
+        dense_below: tensors with fewer elements skip the codec and are all-reduced whole, in
+            ``dense_format`` (0 disables).
+        dense_format: the wire format of those tensors: ``"bf16"`` (the default: 2 bytes an element,
+            summed in bfloat16; the sender keeps its rounding error ``m - bf16(m)`` as residual
+            momentum, so nothing is lost over steps, as for the compressed tensors' unsent
+            coefficients) or ``"fp32"`` (the compute dtype, exact: 4 bytes an element, 8 for fp64).
+            bfloat16 has fp32's exponent range, so no value saturates. Issue 18: on the 0.44 M GPT the
+            norms sent densely in fp32 were 5,120 of the 16,784 bytes a step (30 %).
         bucket_cap_mb: largest payload of one collective, in megabytes.
         transform: the orthonormal transform of every tile, before the same selection and error
             feedback (:mod:`demo_lightning.codec.bases`): ``"dct"`` (DCT-II, the paper's), ``"haar"``
@@ -106,6 +118,7 @@ class CodecConfig:
     selection: ExchangeSelection = "topk"
     value_format: ValueFormat = "sign"
     dense_below: int = 4096
+    dense_format: DenseFormat = "bf16"
     bucket_cap_mb: float = 25.0
     fp16_share: float = DEFAULT_HEAD_SHARE
     transform: Transform = "dct"
@@ -132,6 +145,8 @@ class CodecConfig:
         check_number("fp16_share", self.fp16_share, 0.0, 1.0, low_open=True, high_open=True,
                      hint="the share of each tile's kept values sent in fp16 under value_format='mixed'; e.g. 0.25")
         check_int("dense_below", self.dense_below, 0, "element count")
+        check_choice("dense_format", self.dense_format, DENSE_FORMATS,
+                     "the wire format of the tensors under dense_below: 'bf16' (half the bytes, rounding error kept as residual) or 'fp32' (exact)")
         check_int("position_group_size", self.position_group_size, 1, "tensors of one shape that share their positions; 1: off")
         if self.position_group_size > 1 and self.selection != "topk":
             raise ValueError(
@@ -148,14 +163,24 @@ class CodecConfig:
             return DEFAULT_TOPK, None
         return self.topk, self.keep_ratio
 
-    def for_workers(self, workers: int) -> "CodecConfig":
+    @property
+    def default_strength(self) -> bool:
+        """Neither ``topk`` nor ``keep_ratio`` was given: the exchange chooses k (:meth:`for_workers`)."""
+        return self.topk is None and self.keep_ratio is None
+
+    def for_workers(self, workers: int, topk_factor: int = 1) -> "CodecConfig":
         """These settings for an exchange over ``workers`` DeMo workers: with neither ``topk`` nor
-        ``keep_ratio`` given and the values all-gathered (:attr:`all_reduces` false), ``topk`` set to
-        :func:`default_topk` ``(workers)``; otherwise ``self``. Every rank of an exchange resolves
-        the same k (they agree on ``workers``)."""
-        if self.topk is not None or self.keep_ratio is not None or self.all_reduces:
+        ``keep_ratio`` given, ``topk`` set to ``topk_factor`` times the default k, :func:`default_topk`
+        ``(workers)`` when the values are all-gathered (:attr:`all_reduces` false), else
+        :data:`DEFAULT_TOPK` (the exchange's early phase passes its factor, see
+        :class:`~demo_lightning.algorithms.DeMoConfig`); given a strength, ``self``. Every rank of an
+        exchange resolves the same k (they agree on ``workers``)."""
+        check_int("topk_factor", topk_factor, 1, "times the default k")
+        if not self.default_strength:
             return self
-        return replace(self, topk=default_topk(workers))
+        if self.all_reduces:
+            return self if topk_factor == 1 else replace(self, topk=topk_factor * DEFAULT_TOPK)
+        return replace(self, topk=topk_factor * default_topk(workers))
 
     @property
     def keeps_everything(self) -> bool:
@@ -190,12 +215,21 @@ class CodecConfig:
         sends the first ``fp16_share`` of them in fp16)."""
         return self.value_format == "mixed"
 
+    def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The wire dtype of a tensor of ``dtype`` sent densely (:attr:`dense_format`)."""
+        return torch.bfloat16 if self.dense_format == "bf16" else compute_dtype(dtype)
+
+    def dense_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of ``numel`` elements of a ``dtype`` tensor sent densely (:attr:`dense_format`)."""
+        return numel * self.dense_dtype(dtype).itemsize
+
     def payload_bytes(self, shape: tuple[int, ...], own: Optional["TensorCodec"] = None) -> int:
-        """Bytes one worker hands to the collectives for a tensor of ``shape`` (fp32 when dense);
-        for ``"shared"``: its values plus the bit-packed positions of the broadcast."""
+        """Bytes one worker hands to the collectives for a tensor of ``shape`` (an fp32 tensor's
+        :meth:`dense_nbytes` when dense); for ``"shared"``: its values plus the bit-packed positions
+        of the broadcast."""
         layout, k = self.layout(shape, own)
         if layout is None:
-            return 4 * math.prod(shape)
+            return self.dense_nbytes(math.prod(shape))
         if self.selection == "shared":
             return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize + positions_nbytes(layout.n_tiles, k, layout.tile_numel)
         if self.all_reduces:
@@ -214,7 +248,7 @@ class TensorCodec:
         topk: coefficients kept per tile for this tensor.
         keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
         chunk: tile side for this tensor.
-        dense: ``True`` sends the whole tensor by an fp32 all-reduce, ``False`` compresses it
+        dense: ``True`` sends the whole tensor by an all-reduce in ``dense_format``, ``False`` compresses it
             even below ``dense_below``.
     """
 

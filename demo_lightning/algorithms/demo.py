@@ -35,8 +35,9 @@ Error feedback, the mean and the decode are unchanged. :meth:`DeMoExchange.paylo
 per-tensor figure without groups (an upper bound); the ledger counts what is sent.
 
 Tensors with fewer than ``dense_below`` elements skip the codec: their whole momentum is summed
-by an all-reduce in the compute dtype (fp32 for half-precision parameters), divided by W, and
-their residual is cleared (everything was sent).
+by an all-reduce in ``dense_format`` (bfloat16 by default; ``"fp32"``: the compute dtype, fp32 for
+half-precision parameters) and divided by W; their residual becomes what the rounding to that
+format lost, ``m - bf16(m)`` (zero under ``"fp32"``: everything was sent).
 
 Padded tiles: where a shape does not tile exactly the padding's residual is kept in ``M`` (see
 :mod:`~demo_lightning.algorithms.momentum`), where the parameter-space form would crop it each step.
@@ -125,7 +126,7 @@ from demo_lightning.codec.transform import tile_view
 from demo_lightning.comm import Communicator, NodeGroups, StepTraffic, ddp_bytes_for
 from demo_lightning.comm.topology import split_by_payload
 from demo_lightning.profiling import DEMO, DEMO_EXCHANGE, DEMO_NODE, stage_range
-from demo_lightning.validation import check_choice, check_number
+from demo_lightning.validation import check_choice, check_int, check_number
 
 __all__ = [
     "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorEnergy",
@@ -164,12 +165,26 @@ class DeMoConfig:
             previous gradient, ``g_t`` alone). ``0`` (the default) is DeMo as published. Memory: one
             copy of every exchanged tensor's last gradient (its compute dtype) per worker, saved in
             the exchange's state (checkpoints), so a resume continues bitwise.
+        early_steps: the early phase's length in exchanges: while fewer than ``early_steps``
+            exchanges have run (the count is in :meth:`DeMoExchange.state_dict`, so a resume goes on
+            where it was), an exchange whose k is the default (the codec has neither ``topk`` nor
+            ``keep_ratio``, and the tensor no per-tensor strength) keeps ``early_topk_factor`` times
+            that default per tile: 256 at 2 workers, 128 at 4. ``0`` switches it off. Issue 18: with k
+            64 from the first step, the 1.8 M and 6.4 M GPTs on English prose sat at the corpus's unigram
+            entropy for about 80 steps at some seeds (the model knows the bytes' frequencies and
+            nothing of their order) and never caught up (1.24x DDP's loss); 256 coefficients a tile
+            for the first 40 steps left no seed there (``benchmarks/parity.py``). Over a 520-step run
+            the phase costs about 15 % more bytes; over long runs, nothing that shows.
+        early_topk_factor: how many times the default k the early phase keeps (an integer >= 1;
+            ``1`` switches it off); clamped to the whole tile.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
     decay: float = 0.99
     update: Update = "sign"
     compensation: float = 0.0
+    early_steps: int = 40
+    early_topk_factor: int = 4
 
     @classmethod
     def of(cls, **settings: Any) -> "DeMoConfig":
@@ -180,7 +195,8 @@ class DeMoConfig:
         own = {k: v for k, v in settings.items() if k not in names}
         unknown = sorted(set(own) - {f.name for f in fields(cls)} - {"codec"})
         if unknown:
-            raise TypeError(f"unknown DeMo setting(s) {unknown}; the codec takes {sorted(names)}, the exchange decay, update and compensation")
+            raise TypeError(f"unknown DeMo setting(s) {unknown}; the codec takes {sorted(names)}, the exchange decay, update, "
+                            "compensation, early_steps and early_topk_factor")
         return cls(codec=CodecConfig(**codec), **own)
 
     def __post_init__(self) -> None:
@@ -190,6 +206,14 @@ class DeMoConfig:
         check_choice("update", self.update, UPDATES)
         check_number("compensation", self.compensation, 0.0, 1.0,
                      hint="the seed's lambda in v + lambda (g_t - g_{t-1}), for small batches; 0 switches it off")
+        check_int("early_steps", self.early_steps, 0, "exchanges at the start that keep early_topk_factor times the default k; 0 switches it off")
+        check_int("early_topk_factor", self.early_topk_factor, 1, "times the default k kept in the early phase; 1 switches it off")
+
+    @property
+    def has_early_phase(self) -> bool:
+        """Whether the first exchanges keep more than the default k (``early_steps > 0``, a factor
+        above 1 and the codec's k left to the default)."""
+        return self.early_steps > 0 and self.early_topk_factor > 1 and self.codec.default_strength
 
 
 def _check_decay(decay: Any) -> None:
@@ -209,7 +233,7 @@ class TensorSettings:
         topk: coefficients kept per tile.
         keep_ratio: fraction of each tile kept, in (0, 1]; exclusive with ``topk``.
         chunk: tile side.
-        dense: ``True``: whole momentum all-reduced in fp32; ``False``: compressed even when small.
+        dense: ``True``: whole momentum all-reduced (in ``dense_format``); ``False``: compressed even when small.
     """
 
     decay: Optional[float] = None
@@ -342,9 +366,11 @@ class DeMoExchange:
         self.group = node_groups.inter if node_groups is not None else None
         """The group the compressed exchange runs over (``None``: the communicator's own)."""
         config = config if config is not None else DeMoConfig()
-        self.config = replace(config, codec=config.codec.for_workers(max(1, self.comm.world_size_of(self.group))))
-        """The settings in force: the given ones, with the default k resolved for this exchange's
-        number of workers (:meth:`CodecConfig.for_workers`)."""
+        workers = max(1, self.comm.world_size_of(self.group))
+        self.config = replace(config, codec=config.codec.for_workers(workers))
+        """The given settings, with the default k resolved for this exchange's number of workers
+        (:meth:`CodecConfig.for_workers`): the codec after the early phase (:attr:`codec` is the one in force)."""
+        self._early_codec = config.codec.for_workers(workers, config.early_topk_factor) if config.has_early_phase else None
         self.stats = ExchangeStats()
         self.transport = transport_for(self.config.codec, self.comm, self.group, names=DEMO)
         self._owners_key: Optional[tuple] = None
@@ -365,6 +391,19 @@ class DeMoExchange:
         self._hooks = [optimizer.register_load_state_dict_post_hook(lambda _: self._migrate_optimizer_state())]
 
     # ------------------------------------------------------------------ settings
+    @property
+    def in_early_phase(self) -> bool:
+        """Whether the next exchange belongs to the early phase (``DeMoConfig.early_steps``), keeping
+        ``early_topk_factor`` times the default k. The same on every rank: it follows the count of
+        exchanges run, which every rank advances together and checkpoints keep."""
+        return self._early_codec is not None and self._exchanges_done < self.config.early_steps
+
+    @property
+    def codec(self) -> CodecConfig:
+        """The codec settings in force at the next exchange: during the early phase, the default k
+        times ``early_topk_factor``; afterwards ``config.codec``."""
+        return self._early_codec if self._early_codec is not None and self.in_early_phase else self.config.codec
+
     def parameters(self) -> list[Tensor]:
         """Trainable parameters in exchange order (the optimizer's ``param_groups`` order)."""
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -399,12 +438,13 @@ class DeMoExchange:
         own = self._settings.get(param)
         return float(own.decay) if own is not None and own.decay is not None else float(self.config.decay)
 
-    def payload_bytes(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
-        """Bytes this worker puts on the wire for ``param`` per exchange, under ``settings``
-        (default: its current ones), as if it sent its own positions: with position groups an upper
-        bound (a group's later members send values only; the ledger counts the bytes sent)."""
+    def payload_bytes(self, param: Tensor, settings: Optional[TensorSettings] = None, *, steady: bool = False) -> int:
+        """Bytes this worker puts on the wire for ``param`` at the next exchange (``steady``: once
+        the early phase is over), under ``settings`` (default: its current ones), as if it sent its
+        own positions: with position groups an upper bound (a group's later members send values
+        only; the ledger counts the bytes sent)."""
         own = settings if settings is not None else self.tensor_settings(param)
-        return self.config.codec.payload_bytes(tuple(param.shape), own.codec)
+        return self._codec(steady).payload_bytes(tuple(param.shape), own.codec)
 
     def tile_numel(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
         """Elements per tile of ``param`` under ``settings`` (0 when it is sent densely)."""
@@ -412,10 +452,14 @@ class DeMoExchange:
         layout, _ = self.config.codec.layout(tuple(param.shape), own.codec)
         return layout.tile_numel if layout is not None else 0
 
-    def k_of(self, param: Tensor, settings: Optional[TensorSettings] = None) -> int:
-        """Coefficients kept per tile of ``param`` under ``settings`` (0 when it is sent densely)."""
+    def k_of(self, param: Tensor, settings: Optional[TensorSettings] = None, *, steady: bool = False) -> int:
+        """Coefficients kept per tile of ``param`` at the next exchange (``steady``: once the early
+        phase is over) under ``settings`` (0 when it is sent densely)."""
         own = settings if settings is not None else self.tensor_settings(param)
-        return self.config.codec.layout(tuple(param.shape), own.codec)[1]
+        return self._codec(steady).layout(tuple(param.shape), own.codec)[1]
+
+    def _codec(self, steady: bool) -> CodecConfig:
+        return self.config.codec if steady else self.codec
 
     def request_energy(self) -> None:
         """Make the next :meth:`step` measure every tensor's energy (``stats.energy``: two
@@ -523,9 +567,10 @@ class DeMoExchange:
         shapes, dtypes) and their per-tensor codec settings. Local (no communication); recomputed only
         when they change. Equal on every rank is what :meth:`check_plan` checks."""
         params = self.parameters()
-        key = tuple((tuple(p.shape), p.dtype, self._settings[p].codec if p in self._settings else None, self._role(p)) for p in params)
+        codec = self.codec
+        key = (codec, tuple((tuple(p.shape), p.dtype, self._settings[p].codec if p in self._settings else None, self._role(p)) for p in params))
         if key != self._digest_key:
-            text = repr([repr(self.config.codec)] + [(shape, str(dtype), repr(codec), role) for shape, dtype, codec, role in key]).encode()
+            text = repr([repr(codec)] + [(shape, str(dtype), repr(own), role) for shape, dtype, own, role in key[1]]).encode()
             self._digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
             self._digest_key = key
         return self._digest
@@ -550,10 +595,11 @@ class DeMoExchange:
         (re-tiled where the tiling changed) identically on every rank (the plan is agreed)."""
         overrides = [self._settings[p].codec if p in self._settings else None for p in params]
         roles = [self._role(p) for p in params]
-        key = tuple((id(p), tuple(p.shape), p.dtype, p.device, o, r) for p, o, r in zip(params, overrides, roles))
+        codec = self.codec
+        key = (codec, tuple((id(p), tuple(p.shape), p.dtype, p.device, o, r) for p, o, r in zip(params, overrides, roles)))
         plan = self._momentum.plan
         if plan is None or key != self._plan_key:
-            plan = build_plan(self.config.codec, params, overrides, roles)
+            plan = build_plan(codec, params, overrides, roles)
             self._plan_key = key
             self._workspace = Workspace(plan)
             self._momentum.adopt(plan, params)
@@ -569,12 +615,13 @@ class DeMoExchange:
         """The local rank that exchanges each trainable tensor (all ``0`` without a node hierarchy).
 
         Greedy by payload (:func:`~demo_lightning.comm.topology.split_by_payload`): shapes and settings
-        decide it, so every rank computes the same split."""
+        decide it, so every rank computes the same split. The payloads are those after the early
+        phase, so the split (and with it where each momentum lives) does not change when it ends."""
         params = self.parameters() if params is None else params
         key = tuple((tuple(p.shape), self._settings[p].codec if p in self._settings else None) for p in params)
         if key != self._owners_key:
             ranks = self.node_groups.ranks_per_node if self.node_groups is not None else 1
-            self._owners_key, self._owners = key, split_by_payload([self.payload_bytes(p) for p in params], ranks)
+            self._owners_key, self._owners = key, split_by_payload([self.payload_bytes(p, steady=True) for p in params], ranks)
         return self._owners
 
     def _node_mean_gradients(self, params: list[Tensor]) -> None:
@@ -655,12 +702,13 @@ class DeMoExchange:
         want_energy, want_curve = self._want_energy, self._want_curve
         self._want_energy = self._want_curve = False
         world = self.comm.world_size_of(self.group)
-        codec = self.config.codec
+        codec = plan.config
         momentum = self._momentum
         decays = [self.decay_of(p) for p in params]
         grads = [self._compensated(p) for p in params] if self.config.compensation > 0 else [p.grad for p in params]
         with stage_range(DEMO.encode):
-            # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy)
+            # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy in the
+            # dense wire format; what rounding to it loses stays as the residual, applied after the waits)
             dense_totals = []
             for key, group in plan.dense_groups.items():
                 flat = momentum.dense_storage[key]
@@ -669,7 +717,9 @@ class DeMoExchange:
                     m.mul_(decays[item.position])
                     if grads[item.position] is not None:
                         m.add_(grads[item.position].reshape(-1).to(m.dtype))
-                dense_totals.append((group, flat, flat.clone()))
+                wire = flat.to(codec.dense_dtype(flat.dtype), copy=True)
+                residual = flat - wire.to(flat.dtype) if wire.dtype != flat.dtype else None
+                dense_totals.append((group, flat, wire, residual))
             # M <- decay M + DCT(g), then the selection of every family
             with stage_range(DEMO.transform):
                 transform_into(plan, grads, momentum.storage, workspace, decays)
@@ -687,7 +737,7 @@ class DeMoExchange:
                         energy["curves"][key] = self._energy_curve(family, workspace.family(family), momentum.storage[key])
         with stage_range(DEMO.transport):
             # every collective is started before the first is waited on
-            dense_work = [self.comm.all_reduce_sum_(total, "demo/dense", group=self.group) for _, _, total in dense_totals]
+            dense_work = [self.comm.all_reduce_sum_(wire, "demo/dense", group=self.group) for _, _, wire, _ in dense_totals]
             pending = [
                 self.transport.start([Outgoing(run, selected[run.family.key].positions[run.rows], selected[run.family.key].values[run.rows])
                                       for run in bucket], "demo")
@@ -709,11 +759,14 @@ class DeMoExchange:
                     chosen = selected[run.family.key]
                     residual = chosen.values[run.rows] - sent
                     momentum.storage[run.family.key].index_copy_(0, chosen.offsets[run.rows].reshape(-1), residual.reshape(-1))
-            for group, flat, total in dense_totals:
-                total.div_(world)
+            for group, flat, wire, residual in dense_totals:
+                total = wire.to(flat.dtype).div_(world)
                 for item in group:
                     self._write_update(params[item.position], total[item.span].view(item.shape))
-                flat.zero_()  # everything was sent
+                if residual is None:
+                    flat.zero_()  # everything was sent
+                else:
+                    flat.copy_(residual)  # what the wire format rounded away
             with stage_range(DEMO.inverse):
                 inverse(plan, means, workspace, 1.0 / world, lambda item, q: self._write_update(params[item.position], q))
         energies = self._energy_after(plan, energy, selected) if energy is not None else []

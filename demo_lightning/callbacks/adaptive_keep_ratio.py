@@ -196,7 +196,7 @@ class AdaptiveKeepRatio(Callback):
                 if ratio is not None:
                     targets[p] = max(1, min(n, math.ceil(m * ratio * n - 1e-9)))
                 else:
-                    default = self._bounded(exchange.k_of(p, self._without_strength(exchange, p)), n)
+                    default = self._bounded(exchange.k_of(p, self._without_strength(exchange, p), steady=True), n)
                     level = self.controller_k.get(self._names[p], default)
                     targets[p] = self._bounded(math.ceil(m * level - 1e-9), n)
         return targets

@@ -122,7 +122,7 @@ class LayerRule:
         keep_ratio: fraction of each tile kept, in (0, 1], number or :class:`Schedule`.
         topk: coefficients kept per tile (exclusive with ``keep_ratio``).
         chunk: DCT tile side.
-        dense: ``True`` sends the tensor's whole momentum by an fp32 all-reduce.
+        dense: ``True`` sends the tensor's whole momentum by an all-reduce (in the codec's ``dense_format``).
         lam: DecoupledMomentum's lambda (>= 0), number or :class:`Schedule`.
     """
 

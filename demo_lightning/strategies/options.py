@@ -23,7 +23,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms import DeMoConfig
-from demo_lightning.algorithms.config import CodecConfig, ExchangeSelection
+from demo_lightning.algorithms.config import CodecConfig, DenseFormat, ExchangeSelection
 from demo_lightning.algorithms.demo import Update
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
@@ -124,7 +124,14 @@ class DeMoOptions(_Options):
         compensation: momentum compensation ``lambda`` in [0, 1] (seed 000 §5.1, for small batches):
             each worker's momentum takes ``g_t + lambda (g_t - g_{t-1})``; costs one copy of the
             exchanged tensors' last gradient per worker (in checkpoints); ``0``: off.
-        dense_below: tensors with fewer elements are all-reduced densely in fp32 (0: compress all).
+        early_steps: the first this many exchanges keep ``early_topk_factor`` times the default k
+            per tile (256 at 2 workers) when neither ``topk`` nor ``keep_ratio`` is given; ``0``: off.
+            Chosen on issue 18's matrix: without it the 1.8 M and 6.4 M GPTs stalled at the unigram
+            entropy at some seeds. The count is checkpointed.
+        early_topk_factor: the early phase's multiple of the default k (an integer >= 1; 1: off).
+        dense_below: tensors with fewer elements skip the codec and are all-reduced whole (0: compress all).
+        dense_format: their wire format: ``"bf16"`` (2 bytes an element; the rounding error stays in
+            the sender's residual momentum) or ``"fp32"`` (4 bytes, exact).
         bucket_cap_mb: largest payload per collective in megabytes.
         param_sync_every: DES-LOC parameter re-sync period in optimizer steps (``None``: off).
         state_sync_every: DES-LOC periods per optimizer-state key, e.g. ``{"demo_momentum": 64}``
@@ -167,7 +174,10 @@ class DeMoOptions(_Options):
         position_group_size: int = 1,
         update: Update = "sign",
         compensation: float = 0.0,
+        early_steps: int = 40,
+        early_topk_factor: int = 4,
         dense_below: int = 4096,
+        dense_format: DenseFormat = "bf16",
         bucket_cap_mb: float = 25.0,
         param_sync_every: Optional[int] = None,
         state_sync_every: Optional[dict[str, int]] = None,
@@ -184,7 +194,9 @@ class DeMoOptions(_Options):
     ) -> None:
         demo = DeMoConfig.of(
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection, transform=transform,
-            value_format=value_format, fp16_share=fp16_share, position_group_size=position_group_size, update=update, compensation=compensation, dense_below=dense_below, bucket_cap_mb=bucket_cap_mb,
+            value_format=value_format, fp16_share=fp16_share, position_group_size=position_group_size, update=update,
+            compensation=compensation, early_steps=early_steps, early_topk_factor=early_topk_factor, dense_below=dense_below,
+            dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every,
@@ -221,6 +233,9 @@ class DesLocOptions(_Options):
             ``"identity"``, as ``DeMoStrategy``'s (the Haar matrix is defined there).
         value_format: codec value format (with ``compress_params``), as ``DeMoStrategy``'s.
         fp16_share: with ``value_format="mixed"`` (and ``compress_params``): the share sent in fp16.
+        dense_format: with ``compress_params``: how the changes of tensors under 4,096 elements travel
+            (they skip the codec), ``"bf16"`` (the rounding error stays in the error feedback) or
+            ``"fp32"``, as ``DeMoStrategy``'s.
         bucket_cap_mb: largest payload per collective in megabytes.
         final_sync: when training ends, average parameters and buffers once more on every rank, so
             the model saved, validated, tested or exported is the averaged one (each rank's own
@@ -256,6 +271,7 @@ class DesLocOptions(_Options):
         transform: Transform = "dct",
         value_format: ValueFormat = "sign",
         fp16_share: float = 0.25,
+        dense_format: DenseFormat = "bf16",
         bucket_cap_mb: float = 25.0,
         final_sync: bool = True,
         process_group_backend: Optional[str] = None,
@@ -276,7 +292,7 @@ class DesLocOptions(_Options):
         # the configs validate every setting, naming it
         codec = CodecConfig(
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, transform=transform, value_format=value_format,
-            fp16_share=fp16_share, bucket_cap_mb=bucket_cap_mb,
+            fp16_share=fp16_share, dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every, state_sync_every=state_sync_every, sync_buffers=sync_buffers,

@@ -13,7 +13,7 @@ plan. Stages read it:
   the bucket's tensors of one family (consecutive rows of the family, whatever other families lie
   between them in plan order), packed, sent and decoded together, in order of first appearance;
 * a **dense group** is the small tensors (below ``dense_below``) of one compute dtype and device,
-  summed by one fp32 all-reduce;
+  summed by one all-reduce in the codec's ``dense_format`` (bf16 by default);
 * a **position group** (``config.position_group_size > 1``, top-k only) is up to that many tensors of
   one run with the same shape and role (:func:`block_role` of the parameter's name, when the
   exchange knows the names: the same projection in every block), in plan order: its first member

@@ -1,0 +1,146 @@
+"""The exchange's early phase (issue 18): while fewer than ``early_steps`` exchanges have run, an
+exchange whose k is the default keeps ``early_topk_factor`` times it; explicit strengths keep theirs;
+the count is checkpointed, so a resume continues inside or after the phase; every rank agrees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange, TensorSettings
+from demo_lightning.comm import Communicator
+
+from dist_helpers import run_workers
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_defaults_are_four_times_the_default_k_for_40_exchanges() -> None:
+    config = DeMoConfig()
+    assert (config.early_steps, config.early_topk_factor, config.has_early_phase) == (40, 4, True)
+    assert CodecConfig().for_workers(2, 4).topk == 256 and CodecConfig().for_workers(4, 4).topk == 128
+    assert CodecConfig(selection="shared", value_format="bf16").for_workers(8, 4).topk == 256  # all-reduced: 4 x 64
+
+
+@pytest.mark.parametrize("settings", [{"topk": 64}, {"keep_ratio": 0.02}, {"early_steps": 0}, {"early_topk_factor": 1}])
+def test_an_explicit_strength_or_a_switched_off_phase_has_none(settings: dict[str, Any]) -> None:
+    config = DeMoConfig.of(**settings)
+    assert not config.has_early_phase
+    model = nn.Linear(64, 128, bias=False)
+    ex = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), config, Communicator())
+    k = ex.k_of(model.weight)
+    model.weight.grad = torch.randn(128, 64)
+    ex.step()
+    assert not ex.in_early_phase and ex.k_of(model.weight) == k and ex.stats.coefficients == 2 * k
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"early_steps": -1}, "early_steps"), ({"early_steps": 2.5}, "early_steps"), ({"early_steps": True}, "early_steps"),
+    ({"early_topk_factor": 0}, "early_topk_factor"), ({"early_topk_factor": 1.5}, "early_topk_factor"),
+])
+def test_bad_early_settings_name_the_argument(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DeMoConfig.of(**settings)
+
+
+def _train(ex: DeMoExchange, model: nn.Module, steps: int, seed: int, before_step: Any = None) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        ex.step()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+    return grads
+
+
+def test_the_phase_equals_the_larger_k_then_the_default_set_by_hand() -> None:
+    """Oracle: the same exchange with k 256 given per tensor for the first 3 steps, then 64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(100, 128, bias=False), nn.Linear(128, 64))  # padded tiles, a dense bias
+    twin = nn.Sequential(nn.Linear(100, 128, bias=False), nn.Linear(128, 64))
+    twin.load_state_dict(model.state_dict())
+    early = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), DeMoConfig.of(early_steps=3, update="raw"), Communicator())
+    by_hand = DeMoExchange(torch.optim.SGD(twin.parameters(), lr=0.1), DeMoConfig.of(early_steps=0, update="raw"), Communicator())
+    compressed = [p for p in twin.parameters() if p.numel() >= 4096]
+
+    def set_k(step: int) -> None:
+        for p in compressed:
+            by_hand.set_tensor_settings(p, TensorSettings(topk=256) if step < 3 else None)
+
+    ks = []
+    got = _train(early, model, 6, seed=1, before_step=lambda step: ks.append(early.k_of(model[0].weight)))
+    want = _train(by_hand, twin, 6, seed=1, before_step=set_k)
+    assert ks == [256, 256, 256, 64, 64, 64]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(early.momentum(p), by_hand.momentum(q)) for p, q in zip(model.parameters(), twin.parameters()))
+    # a control: without the phase the first updates differ
+    plain = nn.Sequential(nn.Linear(100, 128, bias=False), nn.Linear(128, 64))
+    plain.load_state_dict(model.state_dict())
+    control = _train(DeMoExchange(torch.optim.SGD(plain.parameters(), lr=0.1), DeMoConfig.of(early_steps=0, update="raw"),
+                                  Communicator()), plain, 1, seed=1)
+    assert not torch.equal(control[0], got[0])
+
+
+@pytest.mark.parametrize("saved_at", [2, 5])
+def test_a_resume_continues_inside_or_after_the_phase_bitwise(saved_at: int) -> None:
+    torch.manual_seed(0)
+    config = DeMoConfig.of(early_steps=3, update="raw")
+    model = nn.Linear(128, 64, bias=False)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    straight = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), config, Communicator())
+    gen_grads = _train(straight, model, 7, seed=3)
+
+    first = nn.Linear(128, 64, bias=False)
+    first.load_state_dict(start)
+    ex = DeMoExchange(torch.optim.SGD(first.parameters(), lr=0.1), config, Communicator())
+    _train(ex, first, saved_at, seed=3)
+    saved = ex.state_dict()
+    assert saved["exchanges"] == saved_at
+
+    second = nn.Linear(128, 64, bias=False)
+    resumed = DeMoExchange(torch.optim.SGD(second.parameters(), lr=0.1), config, Communicator())
+    resumed.load_state_dict(saved)
+    assert resumed.in_early_phase == (saved_at < 3)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(7):
+        g = torch.randn(second.weight.shape, generator=gen)
+        if step < saved_at:
+            continue
+        second.weight.grad = g
+        resumed.step()
+        assert torch.equal(second.weight.grad.reshape(-1), gen_grads[step])
+
+
+def _steps(rank: int, world: int, settings: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(128, 256, bias=False)  # 8 tiles of 64 x 64
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ex = DeMoExchange(opt, DeMoConfig.of(**settings), Communicator())
+    gen = torch.Generator().manual_seed(rank)
+    sent, ks = [], []
+    for _ in range(4):
+        ks.append(ex.k_of(model.weight))
+        model(torch.randn(4, 128, generator=gen)).pow(2).sum().backward()
+        ex.step()
+        opt.step()
+        opt.zero_grad()
+        sent.append(ex.comm.ledger.last_step.sent_bytes)
+    return {"sent": sent, "k": ks, "weight": model.weight.detach().clone()}
+
+
+def test_three_gloo_workers_send_the_early_k_then_the_default_and_stay_identical(tmp_path: Path) -> None:
+    ranks = run_workers(_steps, 3, tmp_path, {"early_steps": 2})
+    early = run_workers(_steps, 3, tmp_path / "early", {"topk": 4 * 42, "early_steps": 0})
+    steady = run_workers(_steps, 3, tmp_path / "steady", {"topk": 42, "early_steps": 0})
+    assert all(r["k"] == [168, 168, 42, 42] for r in ranks)
+    for r, e, s in zip(ranks, early, steady):
+        assert r["sent"][:2] == e["sent"][:2] and r["sent"][2:] == s["sent"][2:]
+        assert r["sent"][0] > 3 * s["sent"][0]
+    assert all(torch.equal(r["weight"], ranks[0]["weight"]) for r in ranks)
