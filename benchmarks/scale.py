@@ -44,6 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from demo_lightning.algorithms import DeMoConfig
 from demo_lightning.algorithms.config import CodecConfig
 from demo_lightning.comm import NodeTopology, human_bytes
 from demo_lightning.planning import METHODS, Estimate, estimate, gpt_like_shapes, strength_text
@@ -237,8 +238,11 @@ def _measure_worker(rank: int, world: int, port: int, per_node: int, methods: li
 
 
 def _method_settings(settings: dict[str, Any], method: str) -> dict[str, Any]:
-    """The codec settings of ``method``: the shared ones with ``selection="shared"`` and a float
-    value format (the given one if it is one, else bf16, as the cost model assumes)."""
+    """The exchange settings of ``method``: the shared ones with ``selection="shared"`` and a float
+    value format (the given one if it is one, else bf16, as the cost model assumes). The early phase
+    is off (``early_steps=0``): the model is the steady state, which a default exchange reaches
+    after its first 40 steps, and the measurement runs a few."""
+    settings = {"early_steps": 0, **settings}
     if "shared" not in method:
         return dict(settings)
     fmt = settings.get("value_format", "sign")
@@ -300,7 +304,7 @@ def measure(world_sizes: Sequence[int] = (2, 4, 8), per_node: Optional[int] = No
                 raise RuntimeError(f"measure at W={world} failed:\n" + "\n".join(errors)[-4000:])
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
             for method in methods:
-                model = estimate(shapes, NodeTopology(world, g), method, CodecConfig(**_method_settings(settings, method)))  # type: ignore[arg-type]
+                model = estimate(shapes, NodeTopology(world, g), method, DeMoConfig.of(**_method_settings(settings, method)).codec)
                 rows.append({
                     "world_size": world, "nodes": world // g, "ranks_per_node": g, "method": method,
                     "measured_inter_node_bytes": sum(r[method]["inter"] for r in ranks) / world,

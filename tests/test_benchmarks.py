@@ -128,7 +128,7 @@ def test_compare_quick_run_writes_records_plots_and_a_table_that_rerenders(tmp_p
     # ours, before any DES-LOC sync: the top-k sign payload (all-gathered: (W-1) x payload), the dense
     # tensors' fp32 all-reduce and the guard's 9 bytes (its flag byte and the exchange's plan digest), exactly
     payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
-    dense = sum(2 * p.numel() for p in params if p.numel() < 4096)  # the norms, all-reduced in bf16 (dense_format)
+    dense = sum(4 * p.numel() for p in params if p.numel() < 4096)  # demo+desloc keeps fp32 norms (compare.PREVIOUS_DEFAULTS)
     assert ours["bytes_sent_per_step"] == ours["bytes_received_per_step"] == payload + dense + 9
     assert ours["ratio_vs_ddp"] > 50 and 0 < ours["exchange_share"] < 1
     # long run: the parameter average (every 256) and the residual average (every 512), which 6 steps
@@ -167,7 +167,7 @@ def test_compare_digits_task_trains_the_resnet_and_records_accuracy_and_exact_by
     params = [p for p in net.parameters() if p.requires_grad]
     assert record["n_trainable"] == sum(p.numel() for p in params) == meta["n_trainable"] and meta["corpus"] == "digits"
     payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
-    dense = sum(2 * p.numel() for p in params if p.numel() < 4096)  # the norms, all-reduced in bf16 (dense_format)
+    dense = sum(4 * p.numel() for p in params if p.numel() < 4096)  # demo-sign1bit keeps fp32 norms (compare.PREVIOUS_DEFAULTS)
     assert record["bytes_sent_per_step"] == payload + dense + 9  # 2 workers: one all-gathered payload, dense all-reduce, guard
     assert [s for s, _ in record["val_acc_curve"]] == [3] and 0 <= record["final_val_acc"] <= 1
     assert 0 < record["final_val_loss"] < 10 and record["final_val_loss"] == record["val_curve"][-1][1]
