@@ -396,17 +396,18 @@ class DeMoExchange:
 
     # ------------------------------------------------------------------ settings
     @property
-    def in_early_phase(self) -> bool:
-        """Whether the next exchange belongs to the early phase (``DeMoConfig.early_steps``), keeping
-        ``early_topk_factor`` times the default k. The same on every rank: it follows the count of
-        exchanges run, which every rank advances together and checkpoints keep."""
-        return self._early_codec is not None and self._exchanges_done < self.config.early_steps
-
-    @property
     def codec(self) -> CodecConfig:
         """The codec settings in force at the next exchange: during the early phase, the default k
-        times ``early_topk_factor``; afterwards ``config.codec``."""
-        return self._early_codec if self._early_codec is not None and self.in_early_phase else self.config.codec
+        times ``early_topk_factor``; afterwards ``config.codec``. The same on every rank: the phase
+        follows the count of exchanges run, which every rank advances together and checkpoints keep."""
+        early = self._early_codec
+        return early if early is not None and self._exchanges_done < self.config.early_steps else self.config.codec
+
+    @property
+    def in_early_phase(self) -> bool:
+        """Whether the next exchange belongs to the early phase (``DeMoConfig.early_steps``), keeping
+        ``early_topk_factor`` times the default k."""
+        return self.codec is not self.config.codec
 
     def parameters(self) -> list[Tensor]:
         """Trainable parameters in exchange order (the optimizer's ``param_groups`` order)."""
