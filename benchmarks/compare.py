@@ -291,17 +291,17 @@ for _k in (32, 64):
         f"DeMo top-k {_k}/4096 at every world size, 1-bit signs, SGD", "demo", "sgd", DEMO_LR, {"value_format": "sign", "topk": _k},
     )
 
-# issue 18 changed two of DeMoStrategy's defaults: the first 40 exchanges keep 4 times the default k (the early phase)
-# and tensors under dense_below go in bf16. "demo-default" is strategy="demo"'s defaults at this revision; every other
-# DeMo row keeps the settings it was measured with, so its stored results re-run as they were ("demo-sign1bit" is the
-# default before issue 18)
-PREVIOUS_DEFAULTS: dict[str, Any] = {"early_steps": 0, "dense_format": "fp32"}
+# issue 18 changed three of DeMoStrategy's defaults: the first 40 exchanges keep 4 times the default k (the early phase),
+# tensors sent densely go in bf16, and those are the tensors under 1,024 elements (was 4,096) and every 1-D one.
+# "demo-default" is strategy="demo"'s defaults at this revision; every other DeMo row keeps the settings it was measured
+# with, so its stored results re-run as they were ("demo-sign1bit" is the default before issue 18)
+PREVIOUS_DEFAULTS: dict[str, Any] = {"early_steps": 0, "dense_format": "fp32", "dense_below": 4096, "dense_vectors": False}
 for _name, _method in list(METHODS.items()):
     if _method.kind == "demo" or _method.options.get("compress_params"):
-        _pinned = PREVIOUS_DEFAULTS if _method.kind == "demo" else {"dense_format": "fp32"}
+        _pinned = PREVIOUS_DEFAULTS if _method.kind == "demo" else {k: PREVIOUS_DEFAULTS[k] for k in ("dense_format", "dense_below", "dense_vectors")}
         METHODS[_name] = replace(_method, options={**_pinned, **_method.options})
 METHODS["demo-default"] = Method(
-    "DeMo, strategy=\"demo\"'s defaults: k by workers (64 at 2) after 40 steps at 4x that, 1-bit signs, norms in bf16, SGD",
+    "DeMo, strategy=\"demo\"'s defaults: k by workers (64 at 2) after 40 steps at 4x that, 1-bit signs, 1-D tensors and those under 1,024 elements dense in bf16, SGD",
     "demo", "sgd", DEMO_LR,
 )
 

@@ -99,7 +99,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--selection", choices=[s for s in SELECTIONS], default="topk", help="DeMo selection of flat/hierarchical (default topk)")
     parser.add_argument("--shared-value-format", choices=SHARED_VALUE_FORMATS, default=None,
                         help="value format of the shared methods (default: --value-format if a float format, else bf16)")
-    parser.add_argument("--dense-below", type=_number(0, False, integer=True), default=4096, help="tensors with fewer elements are sent densely (default 4096)")
+    parser.add_argument("--dense-below", type=_number(0, False, integer=True), default=1024, help="tensors with fewer elements are sent densely (default 1024)")
+    parser.add_argument("--dense-vectors", action=argparse.BooleanOptionalAction, default=True,
+                        help="1-D tensors (norms, biases) are sent densely whatever their size (default on; --no-dense-vectors: only under --dense-below)")
     parser.add_argument("--dense-format", choices=DENSE_FORMATS, default="bf16",
                         help="wire format of the tensors sent densely (default bf16: 2 bytes an element; fp32: 4)")
     parser.add_argument("--bucket-cap-mb", type=positive, default=25.0, help="largest payload of one collective, MB (default 25)")
@@ -125,7 +127,7 @@ def plan_main(argv: Sequence[str]) -> None:
         parser.error("argument --keep-ratio: give --topk or --keep-ratio, not both")
     try:
         codec = CodecConfig(chunk=a.chunk, topk=a.topk, keep_ratio=a.keep_ratio, selection=a.selection, value_format=a.value_format,
-                            dense_below=a.dense_below, dense_format=a.dense_format, bucket_cap_mb=a.bucket_cap_mb)
+                            dense_below=a.dense_below, dense_vectors=a.dense_vectors, dense_format=a.dense_format, bucket_cap_mb=a.bucket_cap_mb)
     except ValueError as error:
         parser.error(f"codec settings: {error}")
     topology = NodeTopology(a.nodes * a.devices_per_node, a.devices_per_node)
@@ -148,7 +150,7 @@ def _plan_header(a: argparse.Namespace, codec: Any, shapes: list[tuple[int, ...]
     shared = next((e.value_format for m, e in estimates.items() if "shared" in m), None)
     return "\n".join([
         f"Plan for {a.params:,} parameters (GPT-like shapes: d_model {d}, {blocks} blocks; {len(shapes)} tensors, {dense} "
-        f"below dense_below={codec.dense_below} sent densely in {codec.dense_format}) on {a.nodes} node(s) x {a.devices_per_node} rank(s) (W = {a.nodes * a.devices_per_node}).",
+        f"sent densely in {codec.dense_format}: under dense_below={codec.dense_below}{' or 1-D' if codec.dense_vectors else ''}) on {a.nodes} node(s) x {a.devices_per_node} rank(s) (W = {a.nodes * a.devices_per_node}).",
         f"Links: {a.inter_gbps:g} Gbit/s per node between nodes (shared by its ranks), {a.intra_gbps:g} Gbit/s per rank inside a node; "
         f"latency {a.latency_ms:g} ms per inter-node hop, {a.intra_latency_ms:g} ms per intra-node hop; compute {a.step_compute_s:g} s per step.",
         f"Codec: chunk {codec.chunk}, {strength}, selection {codec.selection}, {codec.value_format} values"

@@ -10,8 +10,8 @@ the estimate equals a real exchange's ``ledger.last_step`` to the byte (``tests/
 checks every method, record by record, on 4 gloo processes posing as 2 nodes of 2).
 
 Notation: ``W = N * G`` ranks, numbered node-major; ``n`` parameters in all; per tensor
-``P = CodecConfig.payload_bytes(shape)`` (bit-packed positions and values; for a tensor below
-``dense_below``, which is sent densely by an all-reduce, ``b_d * numel`` with ``b_d`` the bytes of the
+``P = CodecConfig.payload_bytes(shape)`` (bit-packed positions and values; for a tensor the codec
+sends densely by an all-reduce (under ``dense_below`` elements, or 1-D under ``dense_vectors``), ``b_d * numel`` with ``b_d`` the bytes of the
 codec's ``dense_format``: 2 for bf16, the default, 4 for fp32); ``n_d`` the elements of the dense
 tensors; ``P_c`` the sum of ``P`` over the compressed ones. Parameters are fp32 (4 bytes per element
 for gradients and broadcast updates). Per rank per step, sent (= received) bytes:
@@ -146,8 +146,8 @@ def gpt_like_shapes(n_params: int, d_model: Optional[int] = None) -> list[tuple[
     of 64 nearest ``(64 n / 12)^(1/3)``, i.e. a depth of about ``d / 64`` blocks, like GPT-2/3: GPT-3 XL
     has d 2048 and 24 blocks) sets the width; as many whole blocks as fit, then what is left as one
     ``(rest // d, d)`` matrix first (where a token embedding sits) and one ``(rest % d,)`` vector last,
-    so the shapes add up to ``n_params`` exactly. 2-D matrices dominate the bytes; the vectors (below
-    ``dense_below`` for ``d < 4096``) are sent densely.
+    so the shapes add up to ``n_params`` exactly. 2-D matrices dominate the bytes; the vectors are
+    sent densely (the codec's ``dense_vectors``, on by default).
     """
     d, blocks = gpt_like_dims(n_params, d_model)
     shapes: list[tuple[int, ...]] = []

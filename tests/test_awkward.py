@@ -291,7 +291,7 @@ def _loader() -> DataLoader:
 
 
 def _strategy(name: str) -> Any:
-    return DeMoStrategy(update="raw", dense_below=0, timeout=30) if name == "demo" else DesLocStrategy(param_sync_every=2, timeout=30)
+    return DeMoStrategy(update="raw", dense_below=0, dense_vectors=False, timeout=30) if name == "demo" else DesLocStrategy(param_sync_every=2, timeout=30)
 
 
 def _one_process_fit(name: str, model: pl.LightningModule, steps: int, ckpt: Path | None = None) -> pl.Trainer:

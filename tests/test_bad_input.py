@@ -93,14 +93,14 @@ def _checkpoint_from_two_workers(tmp_path: Path) -> None:
     """A 1-process demo checkpoint rewritten as if 2 workers had saved it, then resumed by 1 (its
     momenta restart from zero: no shard is read, so the shards directory may as well be gone)."""
     ckpt = tmp_path / "two.ckpt"
-    _fit(DeMoStrategy(dense_below=0)).save_checkpoint(ckpt)
+    _fit(DeMoStrategy(dense_below=0, dense_vectors=False)).save_checkpoint(ckpt)
     state = torch.load(ckpt, weights_only=True)
     extra = state["optimizer_states"][0]["demo_lightning"]
     assert extra["layout"] == "shards"
     extra["world_size"] = 2
     torch.save(state, ckpt)
     shutil.rmtree(f"{ckpt}.shards")
-    _fit(DeMoStrategy(dense_below=0), ckpt=ckpt, max_steps=3)
+    _fit(DeMoStrategy(dense_below=0, dense_vectors=False), ckpt=ckpt, max_steps=3)
 
 
 def _param() -> list[nn.Parameter]:
@@ -145,6 +145,7 @@ ROWS = [
     Row("demo-update", lambda _: DeMoStrategy(update="adam"), ValueError, r"\bupdate\b", r"one of \('sign', 'raw'\)"),
     Row("demo-dense_below", lambda _: DeMoStrategy(dense_below=-1), ValueError, r"dense_below", r"non-negative integer"),
     Row("demo-dense_format", lambda _: DeMoStrategy(dense_format="fp16"), ValueError, r"dense_format", r"'bf16'.*'fp32'"),
+    Row("demo-dense_vectors", lambda _: DeMoStrategy(dense_vectors="yes"), ValueError, r"dense_vectors", r"True \(1-D tensors.*or False"),
     Row("demo-early_steps", lambda _: DeMoStrategy(early_steps=-5), ValueError, r"early_steps", r"0 switches it off"),
     Row("demo-early_topk_factor", lambda _: DeMoStrategy(early_topk_factor=0), ValueError, r"early_topk_factor", r"1 switches it off"),
     Row("demo-bucket_cap_mb", lambda _: DeMoStrategy(bucket_cap_mb=0), ValueError, r"bucket_cap_mb", r"must be > 0"),
@@ -164,6 +165,8 @@ ROWS = [
     Row("desloc-state_sync_every-step", lambda _: DesLocStrategy(state_sync_every={"step": 4}), ValueError, r"state_sync_every\['step'\]", r"remove 'step'"),
     Row("desloc-sync_buffers", lambda _: DesLocStrategy(sync_buffers="no"), ValueError, r"sync_buffers", r"True or False"),
     Row("desloc-dense_format", lambda _: DesLocStrategy(dense_format="int8"), ValueError, r"dense_format", r"'bf16'.*'fp32'"),
+    Row("desloc-dense_below", lambda _: DesLocStrategy(compress_params=True, dense_below=-3), ValueError, r"dense_below", r"non-negative integer"),
+    Row("desloc-dense_vectors", lambda _: DesLocStrategy(compress_params=True, dense_vectors=1), ValueError, r"dense_vectors", r"True \(1-D tensors.*or False"),
     Row("desloc-compress_params", lambda _: DesLocStrategy(compress_params="yes"), ValueError, r"compress_params", r"True or False"),
     Row("desloc-chunk", lambda _: DesLocStrategy(compress_params=True, chunk=0), ValueError, r"\bchunk\b", r"positive integer"),
     Row("desloc-topk", lambda _: DesLocStrategy(compress_params=True, topk=-1), ValueError, r"\btopk\b", r"positive integer"),

@@ -98,7 +98,7 @@ def test_energy_captured_and_curve_match_a_scipy_dct() -> None:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(64, 128, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=32, topk=10, decay=0.5, update="raw", dense_below=0, value_format="fp32"))
+    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=32, topk=10, decay=0.5, update="raw", dense_below=0, dense_vectors=False, value_format="fp32"))
     weight.grad = torch.randn_like(weight)
     momentum = weight.grad.numpy().copy()  # decay * 0 + g
     exchange.request_energy_curve()
@@ -125,7 +125,7 @@ def test_energy_captured_and_curve_match_a_scipy_dct() -> None:
 def test_per_tensor_settings_change_decay_k_and_bytes() -> None:
     a, b = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([a, b], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(topk=8, dense_below=0, decay=0.9, update="raw"))
+    exchange = DeMoExchange(opt, DeMoConfig.of(topk=8, dense_below=0, dense_vectors=False, decay=0.9, update="raw"))
     base = exchange.payload_bytes(a)
     exchange.set_tensor_settings(b, TensorSettings(decay=0.0, topk=32))
     assert exchange.payload_bytes(b) > base and exchange.k_of(b) == 32 and exchange.k_of(a) == 8
@@ -242,7 +242,7 @@ def test_bandwidth_budget_caps_the_bytes_the_exchange_plans_and_sends(isolated_p
 
 # ---------------------------------------------------------------- LayerPolicy x AdaptiveKeepRatio
 class _Kinds(pl.LightningModule):
-    """A tiny module with one tensor per layer kind the rules below address (all compressed: dense_below=0)."""
+    """A tiny module with one tensor per layer kind the rules below address (all compressed: dense_below=0, dense_vectors=False)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -297,7 +297,7 @@ def _compose_fit(adaptive_kwargs: dict[str, Any], policy_first: bool, steps: int
     recorder = _KRecorder(adaptive)
     pair = [policy, adaptive] if policy_first else [adaptive, policy]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=DeMoStrategy(chunk=16, topk=8, dense_below=0), max_steps=steps,
+        accelerator="cpu", devices=1, strategy=DeMoStrategy(chunk=16, topk=8, dense_below=0, dense_vectors=False), max_steps=steps,
         callbacks=[*pair, recorder], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )
@@ -468,7 +468,9 @@ def test_monitor_tensorboard_events_have_the_expected_tags_and_values(contract: 
     assert {"demo/dct_abs/ffn", "demo/residual_norm/attention"} <= histograms
     assert 0 < last("demo/energy_captured/ffn") < 1
     assert last("demo/energy_captured/norm") == pytest.approx(1.0)  # small tensors go dense: everything sent
-    assert last("demo/keep_ratio") == pytest.approx(4 * 64 / 4096)  # the early phase (4 x k 64 a full tile) spans these 8 steps
+    # the early phase (4 x k 64 = 256 a tile) spans these 8 steps: 28 full 64 x 64 tiles of the 2-D tensors and
+    # the position embedding's one 32 x 64 tile (2,048 elements: compressed since dense_below fell to 1,024)
+    assert last("demo/keep_ratio") == pytest.approx((28 * 256 + 256) / (28 * 4096 + 2048))
     summary = ranks[0]["CommunicationMonitor"]["summary"]
     if world == 2:
         assert last("comm/step_sent_bytes/demo/topk") > 0
@@ -497,7 +499,7 @@ def test_the_default_keep_ratio_schedule_sends_more_later_in_training(isolated_p
     recorder, sent = _KRecorder(adaptive), _Bytes()
     steps = 12
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=DeMoStrategy(chunk=32, dense_below=0), max_steps=steps,
+        accelerator="cpu", devices=1, strategy=DeMoStrategy(chunk=32, dense_below=0, dense_vectors=False), max_steps=steps,
         callbacks=[adaptive, recorder, sent], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )

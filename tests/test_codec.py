@@ -311,7 +311,7 @@ def test_fp16_coefficient_beyond_65504_gives_a_finite_mean_and_keeps_the_excess(
 
     # a constant 64x64 tile of 2000 has one DCT coefficient, 64 * 2000 = 128000 > 65504
     x = torch.full((64, 64), 2000.0)
-    codec = CompressedMean(CodecConfig(chunk=64, topk=4, selection=selection, value_format="fp16", dense_below=0), Communicator())
+    codec = CompressedMean(CodecConfig(chunk=64, topk=4, selection=selection, value_format="fp16", dense_below=0, dense_vectors=False), Communicator())
     assert codec.config.all_reduces == (selection == "lowpass")
     (mean,), (sent,) = codec([x], "test")
     assert bool(torch.isfinite(mean).all()) and bool(torch.isfinite(sent).all())
@@ -386,7 +386,7 @@ def test_identical_inputs_give_one_workers_mean_bitwise_only_for_w_1_2_4(world_s
     from demo_lightning.comm import Communicator
 
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
-    config = CodecConfig(chunk=64, keep_ratio=1.0, value_format="fp32", dense_below=0)
+    config = CodecConfig(chunk=64, keep_ratio=1.0, value_format="fp32", dense_below=0, dense_vectors=False)
     (single,), _ = CompressedMean(config, Communicator())([x], "t")
     (mean,), (sent,) = CompressedMean(config, IdenticalWorkers(world_size))([x], "t")  # type: ignore[arg-type]
     assert torch.equal(sent, single)
@@ -458,7 +458,7 @@ def test_the_exchange_selection_hands_mixed_its_strongest_coefficients_first() -
     from demo_lightning.algorithms.stages.plan import build_plan
     from demo_lightning.algorithms.stages.encode import Workspace, select, transform_into
 
-    config = CodecConfig(topk=12, chunk=16, value_format="mixed", dense_below=0)
+    config = CodecConfig(topk=12, chunk=16, value_format="mixed", dense_below=0, dense_vectors=False)
     assert config.strongest_first and not CodecConfig(topk=12).strongest_first
     x = torch.randn(48, 40, generator=torch.Generator().manual_seed(5))
     plan = build_plan(config, [x])

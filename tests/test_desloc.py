@@ -561,7 +561,7 @@ def _residual_oracle(rank: int, world: int, syncs: int) -> dict[str, Any]:
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(128, 128) * 0.1)
     opt = torch.optim.SGD([w], lr=0.1)
-    config = DesLocConfig(param_sync_every=2, state_sync_every={}, compress_params=True, codec=CodecConfig(topk=16, value_format="fp32", dense_below=0))
+    config = DesLocConfig(param_sync_every=2, state_sync_every={}, compress_params=True, codec=CodecConfig(topk=16, value_format="fp32", dense_below=0, dense_vectors=False))
     avg = DesLocAverager(opt, config, Communicator())
     before_sync, residuals = [], []
     gen = torch.Generator().manual_seed(rank)

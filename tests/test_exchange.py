@@ -34,7 +34,7 @@ def test_world_size_one_equals_direct_computation() -> None:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(128, 192, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0, value_format="bf16"))
+    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0, dense_vectors=False, value_format="bf16"))
     m = np.zeros((128, 192))
     for _ in range(3):
         g = torch.randn_like(weight)
@@ -45,7 +45,7 @@ def test_world_size_one_equals_direct_computation() -> None:
         np.testing.assert_allclose(exchange.momentum(weight).numpy(), m, atol=1e-9)
     # the sign rule writes sign(Q)
     sign_opt = torch.optim.SGD([weight], lr=0.1)
-    DeMoExchange(sign_opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="sign", dense_below=0)).step()
+    DeMoExchange(sign_opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="sign", dense_below=0, dense_vectors=False)).step()
     assert set(torch.unique(weight.grad).tolist()) <= {-1.0, 0.0, 1.0}
 
 
@@ -69,7 +69,7 @@ def test_full_topk_raw_update_equals_plain_momentum_sgd_at_world_size_one() -> N
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
-    exchange = DeMoExchange(opt_a, DeMoConfig.of(keep_ratio=1.0, decay=0.0, update="raw", dense_below=0, value_format="fp32"))
+    exchange = DeMoExchange(opt_a, DeMoConfig.of(keep_ratio=1.0, decay=0.0, update="raw", dense_below=0, dense_vectors=False, value_format="fp32"))
     for _ in range(3):
         x = torch.randn(8, 70, dtype=torch.float64)
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -101,7 +101,7 @@ def test_adam_initialises_its_own_state_next_to_the_momentum() -> None:
 def test_missing_grad_counts_as_zero_and_still_gets_the_update() -> None:
     used, unused = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([used, unused], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=0))
+    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=0, dense_vectors=False))
     used.grad = torch.randn(64, 64)
     exchange.step()
     assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(64, 64))
@@ -117,7 +117,7 @@ def test_frozen_and_tied_parameters_are_exchanged_once_or_not_at_all() -> None:
     params = list(nn.ModuleList([emb, head, frozen]).parameters())
     assert len(params) == 3  # tied weight deduplicated
     opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0))
+    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0, dense_vectors=False))
     emb.weight.grad = torch.randn(100, 64)
     stats = exchange.step()
     assert stats.n_trainable == 6400
@@ -127,7 +127,7 @@ def test_frozen_and_tied_parameters_are_exchanged_once_or_not_at_all() -> None:
 def test_local_state_round_trip_and_shape_check() -> None:
     model = nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0))
+    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0, dense_vectors=False))
     model(torch.randn(2, 64)).sum().backward()
     exchange.step()
     before = [exchange.momentum(p) for p in model.parameters()]

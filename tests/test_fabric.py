@@ -158,7 +158,7 @@ def test_a_second_fabric_setup_keeps_the_first_optimizer_driven_and_each_average
 
     from demo_lightning import DeMoFabricStrategy, DesLocFabricStrategy
 
-    demo = DeMoFabricStrategy(dense_below=0)
+    demo = DeMoFabricStrategy(dense_below=0, dense_vectors=False)
     g, d = nn.Linear(8, 8), nn.Linear(8, 8)
     opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
     demo.setup_module_and_optimizers(g, [opt_g])

@@ -120,7 +120,7 @@ def _check_exchange(trainer: pl.Trainer, preset: str, small: bool) -> set[str]:
 @pytest.mark.parametrize(("small_batch", "small"), [(False, False), (True, True), (None, True)], ids=["large", "small", "detected"])
 def test_language_preset_on_the_gpt_under_demo(isolated_process_group: None, small_batch: bool | None, small: bool) -> None:
     policy = LayerPolicy(preset="language", small_batch=small_batch, print_settings=False)
-    trainer = _fit(_gpt(), _text(batch_size=4), DeMoStrategy(update="raw", dense_below=0), [policy])
+    trainer = _fit(_gpt(), _text(batch_size=4), DeMoStrategy(update="raw", dense_below=0, dense_vectors=False), [policy])
     assert _check_exchange(trainer, "language", small) == {"embedding", "norm", "attention_qk", "attention_out", "ffn"}
     assert policy.small_batch_used is small and policy.state_dict()["small_batch"] is small
     if small_batch is None:  # 4 windows x 1 device x no accumulation
@@ -146,7 +146,7 @@ def test_language_preset_under_decoupled_momentum_alone_ramps_beta(isolated_proc
 @pytest.mark.parametrize(("small_batch", "small"), [(False, False), (None, True)], ids=["large", "detected"])
 def test_vision_preset_on_a_timm_resnet_under_demo(isolated_process_group: None, small_batch: bool | None, small: bool) -> None:
     policy = LayerPolicy(preset="vision", small_batch=small_batch, print_settings=False)
-    trainer = _fit(_resnet(), _digits(batch_size=8), DeMoStrategy(update="raw", dense_below=0), [policy])
+    trainer = _fit(_resnet(), _digits(batch_size=8), DeMoStrategy(update="raw", dense_below=0, dense_vectors=False), [policy])
     # timm's ResNet: convolutions, BatchNorms, and the classifier "fc", which the layer kinds call feed-forward
     assert _check_exchange(trainer, "vision", small) == {"conv", "norm", "ffn"}
     assert layer_kinds(trainer.lightning_module)["model.fc.weight"] == "ffn"
@@ -171,7 +171,7 @@ def test_vision_preset_beside_adaptive_keep_ratio_gives_convolutions_four_thirds
     """With AdaptiveKeepRatio the adaptive level sets every tensor's k; the preset only its share: the
     convolutions 0.20 / 0.15 = 4/3 of the level, the rest 1x, BatchNorms dense (k 0)."""
     level = 1 / 64
-    trainer = _fit(_resnet("sgd"), _digits(), DeMoStrategy(dense_below=0), [LayerPolicy(preset="vision", small_batch=False,
+    trainer = _fit(_resnet("sgd"), _digits(), DeMoStrategy(dense_below=0, dense_vectors=False), [LayerPolicy(preset="vision", small_batch=False,
                    print_settings=False), AdaptiveKeepRatio(keep_ratio=level)])
     model, exchange = trainer.lightning_module, trainer.strategy.exchanges[0]
     kinds = layer_kinds(model)

@@ -164,7 +164,7 @@ def _trainer(strategy: Any, max_steps: int, **kwargs: Any) -> pl.Trainer:
 
 
 def _strategy(name: str, **kwargs: Any) -> Any:
-    return DeMoStrategy(dense_below=0, **kwargs) if name == "demo" else DesLocStrategy(param_sync_every=2, **kwargs)
+    return DeMoStrategy(dense_below=0, dense_vectors=False, **kwargs) if name == "demo" else DesLocStrategy(param_sync_every=2, **kwargs)
 
 
 @pytest.mark.usefixtures("isolated_process_group")
@@ -331,7 +331,7 @@ def test_the_guard_checks_a_param_group_added_after_setup() -> None:
 
     a, b = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([a], lr=0.1)
-    runtime = CommunicationRuntime(DeMoConfig(CodecConfig(dense_below=0), update="raw"), None, "skip", "flat", timedelta(seconds=60))
+    runtime = CommunicationRuntime(DeMoConfig(CodecConfig(dense_below=0, dense_vectors=False), update="raw"), None, "skip", "flat", timedelta(seconds=60))
     runtime.attach(opt, [], "test")
     opt.add_param_group({"params": [b]})
     a.grad, b.grad = torch.randn(64, 64), torch.randn(64, 64)

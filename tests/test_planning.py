@@ -326,6 +326,18 @@ def test_plan_options_reach_the_model() -> None:
     assert re.search(r"^shared\s", text, flags=re.M) and not re.search(r"^flat\s", text, flags=re.M)
 
 
+def test_plan_dense_rule_options_reach_the_codec() -> None:
+    """``--dense-below`` / ``--no-dense-vectors``: a 4,096-wide model's norms go densely by default
+    and through the codec without the vector rule, which the header counts and the bytes show."""
+    args = ("plan", "--params", "3e8", "--d-model", "4096", "--nodes", "2", "--devices-per-node", "1", "--methods", "flat")
+    vectors, no_vectors = _plan(*args), _plan(*args, "--no-dense-vectors")
+    dense = [int(re.search(r"(\d+) sent densely", t).group(1)) for t in (vectors, no_vectors)]  # type: ignore[union-attr]
+    assert "under dense_below=1024 or 1-D)" in vectors and "under dense_below=1024)" in no_vectors
+    wide_vectors = sum(1 for shape in gpt_like_shapes(300_000_000, 4096) if len(shape) == 1 and shape[0] >= 1024)
+    assert wide_vectors >= 4 and dense[0] - dense[1] == wide_vectors  # at width 4,096 every norm reaches dense_below
+    assert _plan(*args, "--dense-below", "5000", "--no-dense-vectors") != no_vectors
+
+
 def test_readme_plan_section_is_a_real_run() -> None:
     """The README's "Planning a multi-node run" shows the plan command and exactly what it prints."""
     text = (ROOT / "README.md").read_text()

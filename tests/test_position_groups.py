@@ -281,7 +281,7 @@ def test_groups_form_when_a_blocks_tensors_keep_different_k() -> None:
 
     shapes = [(192, 64), (64, 64), (256, 64), (64, 256)] * 2
     ratios = [0.12, 0.08, 0.06, 0.06] * 2
-    config = CodecConfig(chunk=64, dense_below=0, position_group_size=2)
+    config = CodecConfig(chunk=64, dense_below=0, dense_vectors=False, position_group_size=2)
     plan = build_plan(config, [torch.empty(s) for s in shapes], [TensorCodec(keep_ratio=r) for r in ratios])
     shared = {(item.position, item.shares_with.position) for item in plan.tensors if item.shares_with is not None}
     assert shared == {(4, 0), (5, 1), (6, 2), (7, 3)}  # block 1's projections use block 0's positions

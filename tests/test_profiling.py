@@ -298,7 +298,7 @@ def test_the_codec_benchmark_reads_its_in_step_breakdown_from_the_ranges() -> No
     codec = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(codec)
     x = torch.randn(96, 160, generator=torch.Generator().manual_seed(0))
-    mean = CompressedMean(CodecConfig(chunk=32, topk=8, dense_below=0), Communicator())
+    mean = CompressedMean(CodecConfig(chunk=32, topk=8, dense_below=0, dense_vectors=False), Communicator())
     found = codec.step_breakdown(mean, x, 1e-3, 0.0, torch.device("cpu"))
     parts = found["parts_s"]
     assert set(parts) == {*codec.IN_STEP, "rest"} and found["steps"] == 3

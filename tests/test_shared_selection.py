@@ -33,7 +33,7 @@ def _shared_steps(rank: int, world: int, value_format: str = "fp32") -> dict[str
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(SHAPE))
     opt = torch.optim.SGD([w], lr=0.0)  # the parameters do not matter here: the grads and residuals do
-    exchange = DeMoExchange(opt, DeMoConfig.of(selection="shared", value_format=value_format, topk=K, dense_below=0,
+    exchange = DeMoExchange(opt, DeMoConfig.of(selection="shared", value_format=value_format, topk=K, dense_below=0, dense_vectors=False,
                                                decay=DECAY, update="raw"), Communicator())
     out: dict[str, list] = {"grads": [], "residuals": [], "updates": []}
     for step in range(STEPS):
@@ -90,7 +90,7 @@ def test_bytes_per_worker_do_not_grow_with_the_number_of_workers(tmp_path: Path)
     for w, got in sent.items():  # the all-reduce's 2 (W-1)/W of the values; the ring broadcast: every worker but one forwards the positions
         assert got == pytest.approx(2 * (w - 1) / w * values + (w - 1) / w * positions)
     assert sent[4] / sent[2] <= 1.5  # bounded by 2x at any W; an all-gather of the same payload takes (W - 1)x: 3x here
-    assert CodecConfig(selection="shared", value_format="bf16", topk=K, dense_below=0).payload_bytes(SHAPE) == values + positions
+    assert CodecConfig(selection="shared", value_format="bf16", topk=K, dense_below=0, dense_vectors=False).payload_bytes(SHAPE) == values + positions
 
 
 def test_one_worker_shared_equals_its_own_topk() -> None:
@@ -98,7 +98,7 @@ def test_one_worker_shared_equals_its_own_topk() -> None:
         torch.manual_seed(0)
         w = nn.Parameter(torch.randn(70, 130))
         opt = torch.optim.SGD([w], lr=0.1)
-        exchange = DeMoExchange(opt, DeMoConfig.of(selection=selection, value_format="fp32", topk=K, dense_below=0))
+        exchange = DeMoExchange(opt, DeMoConfig.of(selection=selection, value_format="fp32", topk=K, dense_below=0, dense_vectors=False))
         updates = []
         for step in range(3):
             w.grad = torch.randn(70, 130, generator=torch.Generator().manual_seed(step))

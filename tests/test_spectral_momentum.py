@@ -67,7 +67,7 @@ def test_world_size_one_equals_the_coefficient_space_algorithm_written_out(shape
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(shape, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0), decay=0.9, update="raw"))
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, dense_vectors=False), decay=0.9, update="raw"))
     oracle = _CoefficientOracle(shape, 32, 5, 0.9)
     for _ in range(4):
         g = torch.randn(shape, dtype=torch.float64)
@@ -111,7 +111,7 @@ def test_retiling_on_chunk_and_dense_changes_keeps_each_momentum() -> None:
     exact = nn.Parameter(torch.randn(64, 64, dtype=torch.float64))
     padded = nn.Parameter(torch.randn(40, 72, dtype=torch.float64))
     opt = torch.optim.SGD([exact, padded], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_format="fp32"),
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_vectors=False, dense_format="fp32"),
                                             decay=0.9, update="raw"))  # fp32: a dense tensor sends everything
 
     def step() -> None:
@@ -173,7 +173,7 @@ def test_state_dict_round_trip_resumes_the_same_trajectory_bitwise() -> None:
         torch.manual_seed(2)
         model = nn.Linear(72, 40)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=4, dense_below=0)))
+        exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=4, dense_below=0, dense_vectors=False)))
         if state is not None:
             exchange.load_state_dict(state)
         grads = []

@@ -85,7 +85,7 @@ def test_plan_groups_families_runs_and_dense_tensors() -> None:
 @pytest.mark.parametrize("selection", ["topk", "lowpass"])
 def test_select_keeps_the_k_largest_or_lowest_coefficients_of_every_tile(selection: str) -> None:
     x = [torch.randn(64, 96, generator=torch.Generator().manual_seed(2)), torch.randn(40, 72, generator=torch.Generator().manual_seed(3))]
-    config = CodecConfig(chunk=32, topk=5, selection=selection, dense_below=0)  # type: ignore[arg-type]
+    config = CodecConfig(chunk=32, topk=5, selection=selection, dense_below=0, dense_vectors=False)  # type: ignore[arg-type]
     plan = build_plan(config, x)
     workspace = Workspace(plan)
     (family,) = plan.families.values()
@@ -104,13 +104,13 @@ def test_select_keeps_the_k_largest_or_lowest_coefficients_of_every_tile(selecti
 
 # ---------------------------------------------------------------------------------------- transport + decode
 @pytest.mark.parametrize("config", [
-    CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0),
-    CodecConfig(chunk=32, topk=5, value_format="sign", dense_below=0),
-    CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="bf16", dense_below=0),
-    CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="int8", dense_below=0),
-    CodecConfig(chunk=32, topk=5, value_format="fp8_e4m3", dense_below=0),
-    CodecConfig(chunk=32, topk=6, value_format="mixed", fp16_share=0.5, dense_below=0),
-    CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="mixed", dense_below=0),
+    CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, dense_vectors=False),
+    CodecConfig(chunk=32, topk=5, value_format="sign", dense_below=0, dense_vectors=False),
+    CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="bf16", dense_below=0, dense_vectors=False),
+    CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="int8", dense_below=0, dense_vectors=False),
+    CodecConfig(chunk=32, topk=5, value_format="fp8_e4m3", dense_below=0, dense_vectors=False),
+    CodecConfig(chunk=32, topk=6, value_format="mixed", fp16_share=0.5, dense_below=0, dense_vectors=False),
+    CodecConfig(chunk=32, topk=5, selection="lowpass", value_format="mixed", dense_below=0, dense_vectors=False),
 ], ids=["topk-fp32", "topk-sign", "lowpass-allreduce", "lowpass-int8-gather", "topk-fp8", "topk-mixed", "lowpass-mixed"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_transports_share_one_protocol_and_decode_gives_the_mean_of_what_was_sent(config: CodecConfig, world_size: int) -> None:
@@ -181,7 +181,7 @@ def test_the_exchange_and_the_guard_are_participants_of_a_plain_loop() -> None:
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     comm = Communicator()
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(topk=8, dense_below=0)), comm)
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(topk=8, dense_below=0, dense_vectors=False)), comm)
     guard = NonFiniteGuard(lambda: list(model.parameters()), comm, "skip", exchange)
     assert isinstance(exchange, StepParticipant) and isinstance(guard, StepParticipant)
     before = model.weight.detach().clone()

@@ -246,7 +246,7 @@ def test_config_validates_transform_naming_it() -> None:
     CodecConfig(transform="identity", selection="shared", value_format="bf16")
     CodecConfig(transform="haar", selection="lowpass", chunk=48)  # other sides: the unbalanced basis
     # a per-tensor setting that keeps fewer than all under identity + lowpass is refused when planned
-    config = CodecConfig(transform="identity", selection="lowpass", keep_ratio=1.0, dense_below=0)
+    config = CodecConfig(transform="identity", selection="lowpass", keep_ratio=1.0, dense_below=0, dense_vectors=False)
     from demo_lightning.algorithms.config import TensorCodec
 
     with pytest.raises(ValueError, match=r"transform='identity' and selection='lowpass'"):
@@ -294,7 +294,7 @@ def test_error_feedback_is_exact_coefficient_wise_for_every_transform(transform:
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
     opt = torch.optim.SGD(params, lr=0.1)
-    codec = CodecConfig(chunk=32, topk=5, selection=selection, value_format=value_format, dense_below=0, transform=transform)  # type: ignore[arg-type]
+    codec = CodecConfig(chunk=32, topk=5, selection=selection, value_format=value_format, dense_below=0, dense_vectors=False, transform=transform)  # type: ignore[arg-type]
     exchange = DeMoExchange(opt, DeMoConfig(codec, decay=0.9, update="raw"), _Workers(world_size))  # type: ignore[arg-type]
     layouts = [plan_tiles(s, 32) for s in shapes]
     old = [np.zeros((lay.padded_rows, lay.padded_cols)) for lay in layouts]
@@ -330,7 +330,7 @@ def test_error_feedback_is_exact_coefficient_wise_for_every_transform(transform:
 def test_identity_momentum_is_the_gradient_with_the_sent_elements_taken_out_bitwise() -> None:
     w = nn.Parameter(torch.zeros(40, 72))
     opt = torch.optim.SGD([w], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, transform="identity"),
+    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, dense_vectors=False, transform="identity"),
                                             decay=0.9, update="raw"))
     g = torch.randn(40, 72, generator=torch.Generator().manual_seed(3))
     w.grad = g.clone()
@@ -350,7 +350,7 @@ def test_identity_momentum_is_the_gradient_with_the_sent_elements_taken_out_bitw
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_compressed_mean_sends_the_inverse_of_the_top_k_of_the_transform(transform: str, world_size: int) -> None:
     x = torch.randn(40, 72, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    config = CodecConfig(chunk=32, topk=7, value_format="fp32", dense_below=0, transform=transform)  # type: ignore[arg-type]
+    config = CodecConfig(chunk=32, topk=7, value_format="fp32", dense_below=0, dense_vectors=False, transform=transform)  # type: ignore[arg-type]
     (mean,), (sent,) = CompressedMean(config, IdenticalWorkers(world_size))([x], "t")  # type: ignore[arg-type]
     layout = plan_tiles((40, 72), 32)
     k_ = tiles_naive(padded(x.numpy(), layout), layout.tile_shape, transform)
@@ -370,7 +370,7 @@ def test_compressed_mean_sends_the_inverse_of_the_top_k_of_the_transform(transfo
 # ---------------------------------------------------------------------------------------- checkpoints across transforms
 def _exchange(transform: str, w: nn.Parameter) -> DeMoExchange:
     opt = torch.optim.SGD([w], lr=0.1)
-    return DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, transform=transform),  # type: ignore[arg-type]
+    return DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_vectors=False, transform=transform),  # type: ignore[arg-type]
                                         decay=0.9, update="raw"))
 
 

@@ -26,11 +26,11 @@ STEPS = 6
 
 
 RUNS = {
-    # every tensor compressed (dense_below=0): in this small GPT the dense all-reduce of the norms would
+    # every tensor compressed (dense_below=0, dense_vectors=False): in this small GPT the dense all-reduce of the norms would
     # otherwise outweigh the compressed payload, and an all-reduce's bytes on a node's link shrink only
     # from 2 (W-1)/W to 2 (N-1)/N of its size under the hierarchy, not by 1/devices
-    "flat": "flat:dense-below=0",
-    "node": "node:dense-below=0",
+    "flat": "flat:dense-below=0:no-dense-vectors",
+    "node": "node:dense-below=0:no-dense-vectors",
     "desloc": "desloc",
     # composed with DES-LOC averaging of the residuals (over the inter-node groups) and the callbacks
     "node-shared": "node:selection=shared:value-format=bf16:compose",

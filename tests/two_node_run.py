@@ -4,7 +4,7 @@ Launched by ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank N`` (one launch
 127.0.0.1): one ``Trainer(num_nodes=2, devices=2)`` fit of the small GPT per positional argument
 ``NAME:METHOD[:FLAG...]``, one after another in the same process group (``flat``: DeMo over all
 ranks, ``node``: hierarchical DeMo, ``desloc``: DES-LOC; each FLAG one of this script's options, e.g.
-``dense-below=0`` or ``compose``). Every rank writes ``NAME/rank{R}.json`` into ``--out``: per-step
+``dense-below=0``, ``no-dense-vectors`` or ``compose``). Every rank writes ``NAME/rank{R}.json`` into ``--out``: per-step
 parameter hashes, the ledger's figures, and an independent count of the bytes this rank handed to
 ``torch.distributed`` collectives over groups that span both nodes (counted by wrapping the
 ``torch.distributed`` functions, not by the ledger), reset before each fit.
@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["flat", "node", "desloc"], default="flat")
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--dense-below", type=int, default=4096)
+    p.add_argument("--dense-vectors", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--selection", default="topk")
     p.add_argument("--value-format", default="sign")
     p.add_argument("--topk", type=int, default=64,
@@ -141,7 +142,7 @@ def _fit(out: Path, args: argparse.Namespace) -> None:
         strategy: pl.strategies.Strategy = demo_lightning.DesLocStrategy(timeout=60, param_sync_every=2)
     else:
         strategy = demo_lightning.DeMoStrategy(
-            timeout=60, hierarchy=args.method, dense_below=args.dense_below, selection=args.selection, value_format=args.value_format,
+            timeout=60, hierarchy=args.method, dense_below=args.dense_below, dense_vectors=args.dense_vectors, selection=args.selection, value_format=args.value_format,
             topk=args.topk,
             state_sync_every={"demo_momentum": 2} if args.compose else None,
         )

@@ -11,7 +11,7 @@ input ``x`` on each worker::
     mean    = IDCT(sum_{r=0..W-1} scatter(I_r, V^_r) / W)[:R, :C]
 
 ``DCT`` is the codec's ``transform`` (``"dct"``, ``"haar"`` or ``"identity"``: see
-:mod:`~demo_lightning.codec.bases`). Tensors with fewer than ``dense_below`` elements skip the codec: ``mean`` is an all-reduce of ``x``
+:mod:`~demo_lightning.codec.bases`). Tensors the codec sends densely (fewer than ``dense_below`` elements, or 1-D under ``dense_vectors``) skip it: ``mean`` is an all-reduce of ``x``
 in ``dense_format`` (bfloat16 by default, or the compute dtype) divided by W, and ``sent`` is ``x``
 as that format rounded it (``x`` itself under ``"fp32"``). The DeMo exchange
 (:class:`~demo_lightning.algorithms.DeMoExchange`) runs the same stages on its momentum, which it

@@ -34,7 +34,7 @@ once per group (in its first member's segment), so ``G - 1`` of every ``G`` memb
 Error feedback, the mean and the decode are unchanged. :meth:`DeMoExchange.payload_bytes` is the
 per-tensor figure without groups (an upper bound); the ledger counts what is sent.
 
-Tensors with fewer than ``dense_below`` elements skip the codec: their whole momentum is summed
+Tensors with fewer than ``dense_below`` elements, and 1-D tensors (``dense_vectors``), skip the codec: their whole momentum is summed
 by an all-reduce in ``dense_format`` (bfloat16 by default; ``"fp32"``: the compute dtype, fp32 for
 half-precision parameters) and divided by W; their residual becomes what the rounding to that
 format lost, ``m - bf16(m)`` (zero under ``"fp32"``: everything was sent).
@@ -151,16 +151,18 @@ class DeMoConfig:
     exchange keeps ``clamp(128 // W, 8, 64)`` per tile over ``W`` DeMo workers
     (:func:`~demo_lightning.algorithms.config.default_topk`), so its bytes per worker do not grow
     with ``W`` up to 16, after an early phase of ``early_topk_factor`` (4) times that for the first
-    ``early_steps`` (40) exchanges; the codec sends the tensors under ``dense_below`` in bf16. Across
+    ``early_steps`` (40) exchanges; the codec sends the tensors under ``dense_below`` (1,024 elements)
+    and the 1-D ones in bf16. Across
     held-out corpora, sizes and seeds (issue 18, ``benchmarks/parity.py``) these defaults ended
-    within 1.05x of DDP's validation loss at 103-111x fewer bytes on the 0.44 M and 1.8 M GPTs (the
-    1.8 M GPT on prose on the mean of three seeds: 1.02x, worst 1.10x), and at 1.06x on the 6.4 M
-    GPT (one seed). The paper's settings are
+    within 1.05x of DDP's validation loss at 103-111x fewer bytes on the 0.44 M and 1.8 M GPTs at 2
+    and 4 workers (the 1.8 M GPT on prose on the mean of three seeds: 1.02x, worst 1.10x), at
+    1.05-1.07x on the 6.4 M GPT (115x), and at DDP's validation accuracy on a ResNet-10t (101x).
+    The paper's settings are
     ``DeMoConfig(CodecConfig(topk=32, value_format="fp32"), decay=0.999)`` (an explicit k has no early phase).
 
     Args:
         codec: how momenta are compressed on the wire (:class:`CodecConfig`: chunk, topk or
-            keep_ratio, selection, value_format, dense_below, bucket_cap_mb).
+            keep_ratio, selection, value_format, dense_below, dense_vectors, dense_format, bucket_cap_mb).
         decay: momentum decay beta in [0, 1) (the reference's ``compression_decay``; it used 0.999).
         update: ``"sign"`` writes ``sign(Q)`` into ``p.grad`` (plain SGD); ``"raw"`` writes ``Q``.
         compensation: the seed's momentum compensation for small batches (seed 000 §5.1,

@@ -129,7 +129,10 @@ class DeMoOptions(_Options):
             Chosen on issue 18's matrix: without it the 1.8 M and 6.4 M GPTs stalled at the unigram
             entropy at some seeds. The count is checkpointed.
         early_topk_factor: the early phase's multiple of the default k (an integer >= 1; 1: off).
-        dense_below: tensors with fewer elements skip the codec and are all-reduced whole (0: compress all).
+        dense_below: tensors with fewer elements skip the codec and are all-reduced whole (0: compress
+            all but the 1-D tensors under ``dense_vectors``).
+        dense_vectors: 1-D tensors (norms, biases) skip the codec whatever their size (``False``: only
+            under ``dense_below``).
         dense_format: their wire format: ``"bf16"`` (2 bytes an element; the rounding error stays in
             the sender's residual momentum) or ``"fp32"`` (4 bytes, exact).
         bucket_cap_mb: largest payload per collective in megabytes.
@@ -176,7 +179,8 @@ class DeMoOptions(_Options):
         compensation: float = 0.0,
         early_steps: int = 40,
         early_topk_factor: int = 4,
-        dense_below: int = 4096,
+        dense_below: int = 1024,
+        dense_vectors: bool = True,
         dense_format: DenseFormat = "bf16",
         bucket_cap_mb: float = 25.0,
         param_sync_every: Optional[int] = None,
@@ -196,7 +200,7 @@ class DeMoOptions(_Options):
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection, transform=transform,
             value_format=value_format, fp16_share=fp16_share, position_group_size=position_group_size, update=update,
             compensation=compensation, early_steps=early_steps, early_topk_factor=early_topk_factor, dense_below=dense_below,
-            dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
+            dense_vectors=dense_vectors, dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every,
@@ -233,8 +237,12 @@ class DesLocOptions(_Options):
             ``"identity"``, as ``DeMoStrategy``'s (the Haar matrix is defined there).
         value_format: codec value format (with ``compress_params``), as ``DeMoStrategy``'s.
         fp16_share: with ``value_format="mixed"`` (and ``compress_params``): the share sent in fp16.
-        dense_format: with ``compress_params``: how the changes of tensors under 4,096 elements travel
-            (they skip the codec), ``"bf16"`` (the rounding error stays in the error feedback) or
+        dense_below: with ``compress_params``: tensors with fewer elements skip the codec and their
+            change is averaged whole, as ``DeMoStrategy``'s.
+        dense_vectors: with ``compress_params``: 1-D tensors skip the codec whatever their size, as
+            ``DeMoStrategy``'s.
+        dense_format: with ``compress_params``: how the changes of the tensors that skip the codec
+            travel, ``"bf16"`` (the rounding error stays in the error feedback) or
             ``"fp32"``, as ``DeMoStrategy``'s.
         bucket_cap_mb: largest payload per collective in megabytes.
         final_sync: when training ends, average parameters and buffers once more on every rank, so
@@ -271,6 +279,8 @@ class DesLocOptions(_Options):
         transform: Transform = "dct",
         value_format: ValueFormat = "sign",
         fp16_share: float = 0.25,
+        dense_below: int = 1024,
+        dense_vectors: bool = True,
         dense_format: DenseFormat = "bf16",
         bucket_cap_mb: float = 25.0,
         final_sync: bool = True,
@@ -292,7 +302,8 @@ class DesLocOptions(_Options):
         # the configs validate every setting, naming it
         codec = CodecConfig(
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, selection=selection, transform=transform, value_format=value_format,
-            fp16_share=fp16_share, dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
+            fp16_share=fp16_share, dense_below=dense_below, dense_vectors=dense_vectors, dense_format=dense_format,
+            bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every, state_sync_every=state_sync_every, sync_buffers=sync_buffers,

@@ -12,7 +12,7 @@ plan. Stages read it:
 * a **bucket** is one collective of at most ``bucket_cap_mb`` megabytes; within it a **run** is
   the bucket's tensors of one family (consecutive rows of the family, whatever other families lie
   between them in plan order), packed, sent and decoded together, in order of first appearance;
-* a **dense group** is the small tensors (below ``dense_below``) of one compute dtype and device,
+* a **dense group** is the tensors the codec sends densely (below ``dense_below``, or 1-D) of one compute dtype and device,
   summed by one all-reduce in the codec's ``dense_format`` (bf16 by default);
 * a **position group** (``config.position_group_size > 1``, top-k only) is up to that many tensors of
   one run with the same shape and role (:func:`block_role` of the parameter's name, when the
