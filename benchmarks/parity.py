@@ -83,6 +83,12 @@ def default_settings(options: tuple[str, ...] | list[str]) -> bool:
     return all(key in defaults and defaults[key] == value for key, value in parse_options(options).items())
 
 
+def _in_repo(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (commands in stored records stay portable)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(resolved)
+
+
 def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int,
              options: tuple[str, ...] = ()) -> dict[str, Any]:
     """One compare.py run (or its stored result); ``options`` are compare.py's ``--option`` settings
@@ -92,9 +98,10 @@ def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: s
     done = folder / "latest.json"
     if not done.exists():
         model = ["--batch-size", str(DIGITS_BATCH)] if corpus == DIGITS else ["--d-model", str(SIZES[size][0]), "--n-layer", str(SIZES[size][1])]
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--methods", method, "--world-sizes", str(world),
+        # paths relative to the repository (the command runs there): the cell's record names a command anyone can rerun
+        cmd = [sys.executable, "benchmarks/compare.py", "--methods", method, "--world-sizes", str(world),
                "--corpus", corpus, "--seed", str(seed), *model, "--lr", f"{lr:g}",
-               "--steps", str(steps), "--val-every", str(steps), "--out", str(folder), "--workdir", str(ROOT / "runs" / "parity"),
+               "--steps", str(steps), "--val-every", str(steps), "--out", _in_repo(folder), "--workdir", "runs/parity",
                "--no-plots", *(x for o in options for x in ("--option", o))]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
