@@ -346,6 +346,7 @@ def byte_table(args: argparse.Namespace) -> dict[str, Any]:
     model = GPT()
     params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
     n_trainable = sum(p.numel() for p in params)
+    defaults = CodecConfig()  # the dense rule and format the codec exchange uses unless told otherwise
     methods: dict[str, dict[str, Any]] = {}
     configs = {f"topk {fmt}": CodecConfig(chunk=args.chunk, topk=args.topk, value_format=fmt) for fmt in FORMATS}
     configs.update({
@@ -403,8 +404,8 @@ def byte_table(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": "demo_lightning.models.GPT() (vocab 256, block 128, d_model 192, 4 layers, 4 heads; head tied to tok)",
         "n_trainable": n_trainable, "n_tensors": len(params),
-        "n_dense_tensors": sum(1 for p in params if CodecConfig().sends_densely(tuple(p.shape))),
-        "dense_format": CodecConfig().dense_format,
+        "n_dense_tensors": sum(1 for p in params if defaults.sends_densely(tuple(p.shape))),
+        "dense_format": defaults.dense_format,
         "chunk": args.chunk, "topk": args.topk, "methods": methods, "rows": rows, "crossover": crossover,
         "note": "per worker per step of the codec exchange (compressed tensors plus the all-reduce, in the codec's "
                 "dense_format, of the tensors it sends densely: under dense_below, and the 1-D ones); DeMoStrategy's non-finite guard adds an all-gather of 9 bytes (a flag byte and the plan digest: 9 (W - 1) bytes per worker)",

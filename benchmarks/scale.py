@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -139,8 +140,7 @@ def check_target(shapes: list[tuple[int, ...]], codec: CodecConfig, method: str,
 def largest_topk(shapes: list[tuple[int, ...]], codec: CodecConfig, method: str, layouts: list[NodeTopology]) -> Optional[int]:
     """The largest topk per tile (same chunk and value format) meeting the target on every layout, or ``None``."""
     def meets(k: int) -> bool:
-        c = CodecConfig(chunk=codec.chunk, topk=k, selection=codec.selection, value_format=codec.value_format,
-                        dense_below=codec.dense_below, bucket_cap_mb=codec.bucket_cap_mb)
+        c = dataclasses.replace(codec, topk=k, keep_ratio=None)  # every other setting (the dense rule too) as given
         return all(estimate(shapes, t, method, c).ratio_vs_ddp >= TARGET for t in layouts)  # type: ignore[arg-type]
 
     lo, hi = 0, codec.chunk * codec.chunk  # meets(lo) is assumed (0 coefficients), search the last k that meets
