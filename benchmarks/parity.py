@@ -163,7 +163,7 @@ def _cells(out: Path) -> list[dict[str, Any]]:
         options = tuple(record.get("options") or ())
         found.append({"corpus": meta.get("corpus", "stdlib"), "size": _size_of(meta), "seed": meta["seed"],
                       "world": record["world_size"], "method": label_of(record["method"], options), "base": record["method"],
-                      "options": options, "lr": meta.get("lr"),
+                      "options": options, "lr": meta.get("lr"), "steps": meta["steps"],
                       "loss": record["final_val_loss"], "bytes": record["bytes_sent_per_step"],
                       "ratio": record.get("steady_ratio_vs_ddp") or record["ratio_vs_ddp"], "command": meta["command"]})
     return found
@@ -207,16 +207,24 @@ def render(args: argparse.Namespace) -> None:
                  for c in cells]
     chosen = [c for c, keep in zip(cells, is_chosen) if keep]
     others = [c for c, keep in zip(cells, is_chosen) if not keep]
-    groups: dict[tuple[str, str, int], dict[str, dict[int, dict[str, Any]]]] = {}
+    # a run of another length is another comparison: cells group by step count too (a 1,040-step cell of a seed
+    # must not stand in for its 520-step one), and the size column names the steps when the folder holds several
+    groups: dict[tuple[str, str, int, int], dict[str, dict[int, dict[str, Any]]]] = {}
     for c in chosen:
-        groups.setdefault((c["corpus"], c["size"], c["world"]), {}).setdefault(c["method"], {})[c["seed"]] = c
+        groups.setdefault((c["corpus"], c["size"], c["world"], c["steps"]), {}).setdefault(c["method"], {})[c["seed"]] = c
+    lengths = sorted({c["steps"] for c in cells})
+
+    def size_of(size: str, steps: int) -> str:
+        return size if len(lengths) == 1 else f"{size} ({steps} steps)"
+
     table = ["# Loss parity at each method's rate (the sweep's best, or given to `run --lr`)", "",
-             "Validation loss (nats per byte) mean over seeds (min-max); ratio = loss / DDP's at the same seed.", "",
+             f"Validation loss (nats per byte) after {' or '.join(map(str, lengths))} steps, mean over seeds (min-max); "
+             "ratio = loss / DDP's at the same seed.", "",
              "| corpus | size | W | method | lr | seeds | val loss | vs DDP | bytes vs DDP | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     log_ratios: dict[str, list[float]] = {}
-    variants: dict[str, dict[tuple, float]] = {}  # rows with no target: their log ratios by (corpus, size, W, seed)
+    variants: dict[str, dict[tuple, float]] = {}  # rows with no target: their log ratios by (corpus, size, W, steps, seed)
     defaults: dict[tuple, float] = {}  # the default's (DEFAULT's target) log ratios, by the same keys
-    for (corpus, size, world), by_method in sorted(groups.items()):
+    for (corpus, size, world, steps), by_method in sorted(groups.items()):
         ddp = by_method.get("ddp", {})
         for method in [m for m in METHODS if m in by_method] + sorted(set(by_method) - set(METHODS)):
             seeds = by_method[method]
@@ -225,7 +233,7 @@ def render(args: argparse.Namespace) -> None:
             byte_ratio = statistics.fmean(seeds[s]["ratio"] for s in seeds)
             first = next(iter(seeds.values()))
             target, label = _target_of(method, first["base"], first["options"], world, by_method)
-            logs = {(corpus, size, world, s): math.log(seeds[s]["loss"] / ddp[s]["loss"]) for s in seeds if s in ddp}
+            logs = {(corpus, size, world, steps, s): math.log(seeds[s]["loss"] / ddp[s]["loss"]) for s in seeds if s in ddp}
             verdict = ""
             if target in TARGETS and ratios:
                 limit, fewer = TARGETS[target]
@@ -239,15 +247,15 @@ def render(args: argparse.Namespace) -> None:
                         defaults.update(logs)
             elif method != "ddp" and ratios and corpus != tuning:
                 variants.setdefault(label, {}).update(logs)
-            table.append(f"| {corpus} | {size} | {world} | {label} | {first['lr']:g} | {len(seeds)} | "
+            table.append(f"| {corpus} | {size_of(size, steps)} | {world} | {label} | {first['lr']:g} | {len(seeds)} | "
                          f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {byte_ratio:.0f}x | {verdict} |")
     if others:
         table += ["", "Other rates (ablations; the ratio is to DDP at its chosen rate, same corpus, size, W and seed):", "",
                   "| corpus | size | W | method | lr | seed | val loss | vs DDP | bytes vs DDP |", "|---|---|---|---|---|---|---|---|---|"]
         for c in sorted(others, key=lambda c: (c["corpus"], c["size"], c["world"], c["method"], c["lr"] or 0.0, c["seed"])):
-            ref = groups.get((c["corpus"], c["size"], c["world"]), {}).get("ddp", {}).get(c["seed"])
+            ref = groups.get((c["corpus"], c["size"], c["world"], c["steps"]), {}).get("ddp", {}).get(c["seed"])
             vs = f"{c['loss'] / ref['loss']:.4f}x" if ref else "-"
-            table.append(f"| {c['corpus']} | {c['size']} | {c['world']} | {c['method']} | {c['lr']:g} | {c['seed']} | {c['loss']:.4f} | "
+            table.append(f"| {c['corpus']} | {size_of(c['size'], c['steps'])} | {c['world']} | {c['method']} | {c['lr']:g} | {c['seed']} | {c['loss']:.4f} | "
                          f"{vs} | {c['ratio']:.0f}x |")
     table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above, the tuning corpus ({tuning}) left out:", ""]
     table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs" for m, v in sorted(log_ratios.items())]

@@ -18,11 +18,11 @@ import parity  # noqa: E402
 
 
 def _write_cell(out: Path, corpus: str, seed: int, world: int, method: str, lr: float, loss: float, ratio: float,
-                options: tuple[str, ...] = ()) -> None:
-    folder = out / "cells" / parity.cell_name(corpus, "small", seed, world, method, lr, 10, options)
+                options: tuple[str, ...] = (), steps: int = 10) -> None:
+    folder = out / "cells" / parity.cell_name(corpus, "small", seed, world, method, lr, steps, options)
     folder.mkdir(parents=True)
     meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": seed, "lr": lr,
-            "d_model": 128, "n_layer": 2}
+            "d_model": 128, "n_layer": 2, "steps": steps}
     record = {"method": method, "world_size": world, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
               "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1,
               **({"options": list(options)} if options else {})}
@@ -80,7 +80,8 @@ def test_run_digits_launches_the_vision_task_once_per_seed_whatever_the_sizes(tm
         folder = Path(cmd[cmd.index("--out") + 1])
         folder.mkdir(parents=True)
         method, seed = cmd[cmd.index("--methods") + 1], int(cmd[cmd.index("--seed") + 1])
-        meta = {"command": " ".join(cmd[1:]), "corpus": "digits", "seed": seed, "lr": 1e-3, "d_model": 128, "n_layer": 2}
+        meta = {"command": " ".join(cmd[1:]), "corpus": "digits", "seed": seed, "lr": 1e-3, "d_model": 128, "n_layer": 2,
+                "steps": int(cmd[cmd.index("--steps") + 1])}
         record = {"method": method, "world_size": 2, "final_val_loss": 0.05 if method == "ddp" else 0.06, "bytes_sent_per_step": 10.0,
                   "ratio_vs_ddp": 70.0, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 700.0, "n_trainable": 1}
         (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
@@ -134,6 +135,29 @@ def test_a_target_met_only_on_the_mean_says_so(tmp_path: Path) -> None:
     parity.render(type("Args", (), {"out": str(tmp_path)})())
     row = next(line for line in (tmp_path / "latest.md").read_text().splitlines() if "| desloc |" in line)
     assert row.endswith("| 1.0350 (0.9900-1.0800)x | 171x | met on the mean (not every seed) |")
+
+
+def test_runs_of_another_length_are_compared_among_themselves(tmp_path: Path) -> None:
+    """A longer run of the same corpus, size, W and seed is its own row, against DDP's run of that length:
+    the 20-step cells must not replace the 10-step ones of the same seeds, nor mix in their ratios."""
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "desloc": 1e-3}))
+    for steps, (ddp, desloc) in ((10, (2.0, 2.2)), (20, (1.8, 1.89))):
+        _write_cell(tmp_path, "prose", 0, 4, "ddp", 1e-3, ddp, 1.0, steps=steps)
+        _write_cell(tmp_path, "prose", 0, 4, "desloc", 1e-3, desloc, 171.0, steps=steps)
+    parity.render(type("Args", (), {"out": str(tmp_path)})())
+    table = (tmp_path / "latest.md").read_text()
+    assert "after 10 or 20 steps" in table
+    assert "| prose | small (10 steps) | 4 | desloc | 0.001 | 1 | 2.2000 | 1.1000x | 171x | missed |" in table
+    assert "| prose | small (20 steps) | 4 | desloc | 0.001 | 1 | 1.8900 | 1.0500x | 171x | met |" in table
+    geo = math.exp((math.log(1.1) + math.log(1.05)) / 2)
+    assert f"- desloc: {geo:.4f}x over 2 runs" in table
+    # one length in the folder: the size column stays the size
+    only = tmp_path / "only"
+    _write_cell(only, "prose", 0, 4, "ddp", 1e-3, 2.0, 1.0, steps=20)
+    _write_cell(only, "prose", 0, 4, "desloc", 1e-3, 2.1, 171.0, steps=20)
+    (only / "rates.json").write_text(json.dumps({"ddp": 1e-3, "desloc": 1e-3}))
+    parity.render(type("Args", (), {"out": str(only)})())
+    assert "| prose | small | 4 | desloc | 0.001 | 1 | 2.1000 | 1.0500x | 171x | met |" in (only / "latest.md").read_text()
 
 
 def _cell_opt(out: Path, corpus: str, seed: int, method: str, loss: float, ratio: float, options: tuple[str, ...]) -> None:
