@@ -257,7 +257,8 @@ def render(args: argparse.Namespace) -> None:
             vs = f"{c['loss'] / ref['loss']:.4f}x" if ref else "-"
             table.append(f"| {c['corpus']} | {size_of(c['size'], c['steps'])} | {c['world']} | {c['method']} | {c['lr']:g} | {c['seed']} | {c['loss']:.4f} | "
                          f"{vs} | {c['ratio']:.0f}x |")
-    table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above, the tuning corpus ({tuning}) left out:", ""]
+    left_out = f", the tuning corpus ({tuning}) left out" if tuning else ""  # no sweep.json here: every corpus counts
+    table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above{left_out}:", ""]
     table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs" for m, v in sorted(log_ratios.items())]
     if variants:
         table += ["", "Rows without a target (settings other than a default), beside the default on the same runs:", ""]

@@ -151,6 +151,7 @@ def test_runs_of_another_length_are_compared_among_themselves(tmp_path: Path) ->
     assert "| prose | small (20 steps) | 4 | desloc | 0.001 | 1 | 1.8900 | 1.0500x | 171x | met |" in table
     geo = math.exp((math.log(1.1) + math.log(1.05)) / 2)
     assert f"- desloc: {geo:.4f}x over 2 runs" in table
+    assert "over every cell and seed above:" in table  # no sweep in this folder: no tuning corpus to leave out
     # one length in the folder: the size column stays the size
     only = tmp_path / "only"
     _write_cell(only, "prose", 0, 4, "ddp", 1e-3, 2.0, 1.0, steps=20)

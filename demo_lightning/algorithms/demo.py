@@ -156,7 +156,7 @@ class DeMoConfig:
     held-out corpora, sizes and seeds (issue 18, ``benchmarks/parity.py``) these defaults ended
     within 1.05x of DDP's validation loss at 103-111x fewer bytes on the 0.44 M and 1.8 M GPTs at 2
     and 4 workers (the 1.8 M GPT on prose on the mean of three seeds: 1.02x, worst 1.10x), at
-    1.03x (C/C++) and 1.055x (prose) on the 6.4 M GPT (115x, two seeds each), and at DDP's
+    1.04x (C/C++) and 1.07x (prose) on the 6.4 M GPT (115x, three seeds each), and at DDP's
     validation accuracy on a ResNet-10t (101x).
     The paper's settings are
     ``DeMoConfig(CodecConfig(topk=32, value_format="fp32"), decay=0.999)`` (an explicit k has no early phase).
