@@ -41,8 +41,9 @@ from dist_helpers import clean_env, free_port, run_launch, tensor_hash
 HERE = Path(__file__).parent
 SCRIPT = HERE / "shards_run.py"
 TIMEOUT_S = 60  # the strategies' collective timeout in these runs; it also bounds the first rendezvous, and four
-# ranks importing Lightning at once on two cores took over 20 s to join on a loaded machine (the first 4-rank fit
-# then failed with DistStoreError); a broken shard must still fail at once (below), far inside it
+# ranks importing Lightning at once on two cores took over 20 s to join when this module ran after test_fabric.py
+# and test_nonfinite.py (the first 4-rank fit failed with DistStoreError, twice); a broken shard must still fail at
+# once (below), far inside it
 LAUNCH_TIMEOUT_S = 300  # hard limit of one launch (several fits)
 CKPT = "step=6.ckpt"
 
