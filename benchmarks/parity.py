@@ -250,7 +250,7 @@ def render(args: argparse.Namespace) -> None:
             table.append(f"| {corpus} | {size_of(size, steps)} | {world} | {label} | {first['lr']:g} | {len(seeds)} | "
                          f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {byte_ratio:.0f}x | {verdict} |")
     if others:
-        table += ["", "Other rates (ablations; the ratio is to DDP at its chosen rate, same corpus, size, W and seed):", "",
+        table += ["", "Other rates (ablations; the ratio is to DDP at its chosen rate, same corpus, size, W, steps and seed):", "",
                   "| corpus | size | W | method | lr | seed | val loss | vs DDP | bytes vs DDP |", "|---|---|---|---|---|---|---|---|---|"]
         for c in sorted(others, key=lambda c: (c["corpus"], c["size"], c["world"], c["method"], c["lr"] or 0.0, c["seed"])):
             ref = groups.get((c["corpus"], c["size"], c["world"], c["steps"]), {}).get("ddp", {}).get(c["seed"])
