@@ -32,6 +32,7 @@ they do not compete for the cores):
 Ablations, run only when named in ``--methods``: ``desloc-compressed-int8`` (int8 values in the
 compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps keeping 256 per tile),
 ``desloc-k16`` (dense syncs every 16 steps, moments every 48 / 96: what the period alone costs),
+``desloc-k1`` (parameters and both moments averaged after every local step: local AdamW with no period),
 ``desloc-compressed-local`` and ``-local-k8`` (moments never averaged; every 8 steps keeping 32),
 ``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions),
 ``desloc-adaptive`` (``desloc-k16``'s periods adapted by ``AdaptiveSyncPeriods`` to the replicas' divergence)
@@ -164,6 +165,10 @@ METHODS["desloc-compressed-k64"] = Method(
 METHODS["desloc-k16"] = Method(
     "DES-LOC K_x 16, K_u 48, K_v 96 (the paper's ratios), dense: what syncing every 16 steps costs without the codec",
     "desloc", "adamw", ADAMW_LR, {"param_sync_every": 16, "state_sync_every": {"exp_avg": 48, "exp_avg_sq": 96}},
+)
+METHODS["desloc-k1"] = Method(
+    "DES-LOC with every period 1: parameters and both Adam moments averaged after every local step (local AdamW, no period)",
+    "desloc", "adamw", ADAMW_LR, {"param_sync_every": 1, "state_sync_every": {"exp_avg": 1, "exp_avg_sq": 1}},
 )
 _LOCAL_MOMENTS = {**METHODS["desloc-compressed"].options, "state_sync_every": {}}  # Adam moments never averaged (as DiLoCo)
 METHODS["desloc-compressed-local"] = Method(

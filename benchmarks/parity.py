@@ -178,6 +178,12 @@ def _size_of(meta: dict[str, Any]) -> str:
     return f"d{meta['d_model']}L{meta['n_layer']}"
 
 
+def _times(ratio: float) -> str:
+    """A byte ratio to DDP: whole numbers from 10x up, two significant digits below (a method that moves
+    more bytes than DDP, 0.33x, must not read 0x)."""
+    return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2g}x"
+
+
 def _spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.4f}"
@@ -248,7 +254,7 @@ def render(args: argparse.Namespace) -> None:
             elif method != "ddp" and ratios and corpus != tuning:
                 variants.setdefault(label, {}).update(logs)
             table.append(f"| {corpus} | {size_of(size, steps)} | {world} | {label} | {first['lr']:g} | {len(seeds)} | "
-                         f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {byte_ratio:.0f}x | {verdict} |")
+                         f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {_times(byte_ratio)} | {verdict} |")
     if others:
         table += ["", "Other rates (ablations; the ratio is to DDP at its chosen rate, same corpus, size, W, steps and seed):", "",
                   "| corpus | size | W | method | lr | seed | val loss | vs DDP | bytes vs DDP |", "|---|---|---|---|---|---|---|---|---|"]
@@ -256,7 +262,7 @@ def render(args: argparse.Namespace) -> None:
             ref = groups.get((c["corpus"], c["size"], c["world"], c["steps"]), {}).get("ddp", {}).get(c["seed"])
             vs = f"{c['loss'] / ref['loss']:.4f}x" if ref else "-"
             table.append(f"| {c['corpus']} | {size_of(c['size'], c['steps'])} | {c['world']} | {c['method']} | {c['lr']:g} | {c['seed']} | {c['loss']:.4f} | "
-                         f"{vs} | {c['ratio']:.0f}x |")
+                         f"{vs} | {_times(c['ratio'])} |")
     left_out = f", the tuning corpus ({tuning}) left out" if tuning else ""  # no sweep.json here: every corpus counts
     table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above{left_out}:", ""]
     table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs" for m, v in sorted(log_ratios.items())]

@@ -127,6 +127,19 @@ def test_an_explicit_k_has_no_target_and_other_rates_are_listed(tmp_path: Path) 
     assert "| prose | small | 4 | demo-sign1bit-k32 | 0.002 | 0 | 2.5000 | 1.2500x | 103x |" in table.split("Other rates", 1)[1]
 
 
+def test_byte_ratios_under_ten_keep_two_digits(tmp_path: Path) -> None:
+    """A method that moves more bytes than DDP (desloc-k1: 1 / 3 of DDP's ratio) reads 0.33x, not 0x."""
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "desloc-k1": 1e-3}))
+    _cell_w(tmp_path, "prose", 4, "ddp", 1e-3, 2.0, 1.0)
+    _cell_w(tmp_path, "prose", 4, "desloc-k1", 1e-3, 2.2, 1 / 3)
+    _cell_w(tmp_path, "prose", 4, "desloc-k1", 2e-3, 2.1, 1 / 3)
+    parity.render(type("Args", (), {"out": str(tmp_path)})())
+    table = (tmp_path / "latest.md").read_text()
+    assert "| desloc-k1 | 0.001 | 1 | 2.2000 | 1.1000x | 0.33x |  |" in table
+    assert "| desloc-k1 | 0.002 | 0 | 2.1000 | 1.0500x | 0.33x |" in table.split("Other rates", 1)[1]
+    assert "| ddp | 0.001 | 1 | 2.0000 | 1.0000x | 1x |" in table
+
+
 def test_a_target_met_only_on_the_mean_says_so(tmp_path: Path) -> None:
     (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "desloc": 1e-3}))
     for seed, (ddp, desloc) in enumerate([(2.0, 1.98), (2.0, 2.16)]):  # 0.99x and 1.08x: the mean 1.035x
