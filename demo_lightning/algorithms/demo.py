@@ -180,8 +180,12 @@ class DeMoConfig:
             64 from the first step, the 1.8 M and 6.4 M GPTs on English prose sat at the corpus's unigram
             entropy for about 80 steps at some seeds (the model knows the bytes' frequencies and
             nothing of their order) and never caught up (1.24x DDP's loss); 256 coefficients a tile
-            for the first 40 steps left no seed there (``benchmarks/parity.py``). Over a 520-step run
-            the phase costs about 15 % more bytes; over long runs, nothing that shows.
+            for the first 40 steps removed or shortened that stall at most seeds, not at every one: the
+            1.8 M GPT's seed 0 still sat there from step ~25 to ~75, the 6.4 M GPT's seed 2 from 40
+            to 110 (``benchmarks/parity.py``). A phase of 80 exchanges moved the stall between seeds
+            rather than removing it (1.02x on the mean of three seeds against 1.07x, per seed 0.90x
+            to 1.13x). Over a 520-step run the phase costs about 15 % more bytes; over long runs,
+            nothing that shows.
         early_topk_factor: how many times the default k the early phase keeps (an integer >= 1;
             ``1`` switches it off); clamped to the whole tile.
     """
