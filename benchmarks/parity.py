@@ -137,8 +137,9 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     given = dict((k, float(v)) for k, v in (x.split("=") for x in args.lr.split(","))) if args.lr else {}
     kept = json.loads((out / "rates.json").read_text()) if (out / "rates.json").exists() else {}
-    # the sweep's best, then rates given to earlier runs, then these: given rates win
-    rates = {**(best_rates(out) if (out / "sweep.json").exists() or not given else {}), **kept, **given}
+    # the sweep's best, then rates given to earlier runs (rates.json, enough without a sweep), then these: given rates win
+    swept = best_rates(out) if (out / "sweep.json").exists() or not (given or kept) else {}
+    rates = {**swept, **kept, **given}
     (out / "rates.json").parent.mkdir(parents=True, exist_ok=True)
     if not args.ablation:  # an ablation's rates run, but the chosen ones (what render reports) stay
         (out / "rates.json").write_text(json.dumps(rates))  # what render reports: these rates, given or swept

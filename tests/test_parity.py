@@ -125,6 +125,10 @@ def test_an_explicit_k_has_no_target_and_other_rates_are_listed(tmp_path: Path) 
     table = (tmp_path / "latest.md").read_text()
     assert "| demo-sign1bit-k32 | 0.001 | 1 | 2.0800 | 1.0400x | 103x |  |" in table
     assert "| prose | small | 4 | demo-sign1bit-k32 | 0.002 | 0 | 2.5000 | 1.2500x | 103x |" in table.split("Other rates", 1)[1]
+    # no sweep in this folder and no --lr: the rates given to earlier runs are enough
+    parity.main(["run", "--corpora", "prose", "--world-sizes", "4", "--methods", "ddp,demo-sign1bit-k32", "--steps", "10",
+                 "--out", str(tmp_path)])
+    assert "| demo-sign1bit-k32 | 0.001 | 1 | 2.0800 | 1.0400x | 103x |  |" in (tmp_path / "latest.md").read_text()
 
 
 def test_byte_ratios_under_ten_keep_two_digits(tmp_path: Path) -> None:
