@@ -50,6 +50,11 @@ class Recorder(pl.Callback):
         self.desloc_steps: list[list[int]] = []
         self.global_steps: list[int] = []
         self.lrs: list[float] = []
+        self.position_groups: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # before the strategy's teardown, which drops the exchange's plan (its state follows the model to the CPU)
+        self.position_groups = _position_groups(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         opt = trainer.optimizers[0]
@@ -196,7 +201,7 @@ def main() -> None:
         },
         "syncs": [dict(a.stats.syncs) for a in getattr(trainer.strategy, "averagers", [])],
         # position groups: (member, the member whose positions it uses) by parameter name, and the wire bytes per step
-        "position_groups": _position_groups(trainer, model),
+        "position_groups": recorder.position_groups,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
     finished["rank"] = trainer.global_rank

@@ -152,3 +152,66 @@ def test_two_process_fit_and_checkpoint_hand_every_collective_tensors_on_the_com
         # saving a checkpoint runs no collective: every rank writes its own shard
         assert not any(t.startswith("checkpoint/") for t in r["tags"]), r["tags"]
         assert any(t.startswith("desloc/") for t in r["tags"]), r["tags"]
+
+
+# ---------------------------------------------------------------------------- state follows the parameters
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, participant: Any, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        participant(opt)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 67))
+
+
+def test_an_exchange_that_follows_its_parameters_keeps_its_momenta_and_its_trajectory_bitwise() -> None:
+    """``follow_parameters`` (what the strategies call after Lightning moved the model off the GPU)
+    re-lays the momenta out from a copy: values, the compensation's previous gradients and the
+    early phase's count survive, and the run continues exactly as one that never called it."""
+    from demo_lightning.algorithms import DeMoConfig, DeMoExchange
+
+    runs = []
+    for follow in (False, True):
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=100, compensation=0.2, early_steps=4), Communicator())
+
+        def step(o: torch.optim.Optimizer, exchange: DeMoExchange = exchange) -> None:
+            exchange.step()
+            o.step()
+
+        _steps(model, opt, step, 0, 3)
+        before = [exchange.momentum(p) for p in model.parameters()]
+        if follow:
+            exchange.follow_parameters()
+            assert all(torch.equal(b, exchange.momentum(p)) for b, p in zip(before, model.parameters()))
+            assert exchange.in_early_phase  # 3 of 4 early exchanges done: the count survived
+        _steps(model, opt, step, 3, 3)
+        runs.append(([p.detach().clone() for p in model.parameters()], [exchange.momentum(p) for p in model.parameters()]))
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_an_averager_that_follows_its_parameters_keeps_its_compressed_sync_state_bitwise() -> None:
+    from demo_lightning.algorithms.desloc import DesLocAverager, DesLocConfig
+
+    runs = []
+    for follow in (False, True):
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        averager = DesLocAverager(opt, DesLocConfig(param_sync_every=2, compress_params=True), Communicator()).attach()
+        _steps(model, opt, lambda o: o.step(), 0, 3)
+        if follow:
+            residuals = [averager._residual[p].clone() for p in model.parameters()]
+            assert any(r.abs().sum() > 0 for r in residuals)  # a sync left unsent changes: there is state to keep
+            averager.follow_parameters()
+            assert all(torch.equal(r, averager._residual[p]) for r, p in zip(residuals, model.parameters()))
+        _steps(model, opt, lambda o: o.step(), 3, 4)
+        assert averager.stats.syncs.get("params", 0) == 3
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -73,6 +73,11 @@ class CompressedMean:
         self._plan_key: Optional[tuple] = None
         self._workspace: Optional[Workspace] = None
 
+    def drop_workspace(self) -> None:
+        """Release the cached plan and its scratch buffers (they are rebuilt, and the plan compared
+        across ranks, at the next call: every rank must drop them alike)."""
+        self._plan, self._plan_key, self._workspace = None, None, None
+
     def plan(self, tensors: list[Tensor], overrides: Optional[list[Optional[TensorCodec]]] = None) -> ExchangePlan:
         """The (cached) plan for these shapes and settings; rebuilding it compares it across ranks
         (a collective: every rank rebuilds at the same call)."""

@@ -554,6 +554,20 @@ class DeMoExchange:
         self._momentum.clear()
         self._previous = {}
 
+    def follow_parameters(self) -> None:
+        """Move this worker's state to its parameters' current devices and drop the step's workspace.
+
+        For after the parameters moved: Lightning moves the model and the optimizer's state to the
+        CPU when a fit ends, to free the accelerator, and the strategies then call this so that the
+        momenta (a model's worth of coefficients) and the transforms' scratch buffers do not keep
+        its memory either. The momenta keep their values bitwise and take their place at the next
+        step, laid out again as after :meth:`load_state_dict`. No collective runs; every rank's
+        state moves alike. Without it the next step moves them as well (the plan follows the
+        parameters' devices), but the accelerator's memory stays held until then.
+        """
+        self.load_state_dict(self.state_dict())  # to each parameter's device; the old storage is released
+        self._workspace = None
+
     def _migrate_optimizer_state(self) -> None:
         """Momenta of layout version 1 found in ``optimizer.state`` (an optimizer ``state_dict``
         saved before the momentum moved into the exchange, loaded into the optimizer) move here."""

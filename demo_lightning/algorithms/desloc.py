@@ -309,6 +309,22 @@ class DesLocAverager:
             h.remove()
         self._hooks = []
 
+    def follow_parameters(self) -> None:
+        """Move the compressed sync's anchors and unsent changes, and a local replica kept by
+        :meth:`final_sync`, to their parameters' (buffers') current devices; drop the codec's
+        scratch buffers. For after the model moved (see :meth:`DeMoExchange.follow_parameters`);
+        values are kept bitwise. Every rank must call it alike (the codec's plan is compared across
+        ranks when it is rebuilt at the next compressed sync)."""
+        for store in (self._anchor, self._residual):
+            for p, value in store.items():
+                store[p] = value.to(p.device)
+        if self._local_replica is not None:
+            params, buffers = self._local_replica
+            self._local_replica = ([t.to(p.device) for t, p in zip(params, self.parameters())],
+                                   [t.to(b.device) for t, b in zip(buffers, self.buffers)])
+        if self._codec is not None:
+            self._codec.drop_workspace()
+
     # step participant hooks (demo_lightning.algorithms.participants)
     def before_update(self, step: Any) -> None:
         self.before_step()

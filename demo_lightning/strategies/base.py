@@ -175,11 +175,15 @@ class CommunicationStrategy(CommunicationFront, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        """Lightning's teardown moves the model and the optimizers' state to the CPU to free the
+        accelerator; the exchanges' momenta and the averagers' state follow them
+        (:meth:`CommunicationRuntime.follow_parameters`)."""
         self.runtime.close()
         if self._stage_sink is not None:
             self._stage_sink.remove()
             self._stage_sink = None
         super().teardown()
+        self.runtime.follow_parameters()
 
     # ------------------------------------------------------------------ step
     @override

@@ -197,6 +197,14 @@ class CommunicationRuntime:
         """One DES-LOC averager per attached optimizer (empty when no period is set)."""
         return list(self._averagers.values())
 
+    def follow_parameters(self) -> None:
+        """Every exchange's and averager's state to its parameters' current devices, their scratch
+        buffers dropped (:meth:`DeMoExchange.follow_parameters`); no collective runs."""
+        for exchange in self._exchanges.values():
+            exchange.follow_parameters()
+        for averager in self._averagers.values():
+            averager.follow_parameters()
+
     @property
     def last_stats(self) -> Optional[ExchangeStats]:
         """Statistics of the most recent exchange (``None`` before the first step)."""
