@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/exchange_step.py --against HEAD~3         # A/B with a previous revision
     DEMO_REFERENCE=/tmp/reference_demo/demo.py .venv/bin/python benchmarks/exchange_step.py
     .venv/bin/python benchmarks/exchange_step.py --quick                  # d_model 192, few steps: a smoke test
+    python benchmarks/exchange_step.py --device cuda --d-model 2048       # on a GPU (writes exchange_step_cuda.*)
 
 One optimizer step of DeMo on the trainable weight shapes of
 ``demo_lightning.models.GPT(d_model=512, n_layer=4, n_head=8)`` (vocab 256, block 128: 12.79 M
@@ -37,7 +38,13 @@ tensors below ``dense_below`` included as fp32); the reference's from the tensor
 (``sparse_idx`` int64 + ``sparse_val`` fp32 per kept coefficient, its ``data_transmit``). Note the
 reference also compresses the 1-D LayerNorm tensors, which ours all-reduces densely.
 
-Writes ``<out>/exchange_step.json`` and ``.md`` (``exchange_step_quick.*`` with ``--quick``).
+``--device cuda``: parameters, gradients, the exchange's state and both floors live on the current
+GPU (the reference's world-of-one gloo group takes CUDA tensors); every timed call is bracketed by
+``torch.cuda.synchronize()``, so a step's time includes the kernels it queued; ``--threads`` then
+only sets the host's threads.
+
+Writes ``<out>/exchange_step.json`` and ``.md`` (``exchange_step_quick.*`` with ``--quick``; a
+``_cuda`` suffix on a GPU).
 """
 
 from __future__ import annotations
@@ -80,14 +87,23 @@ def _parameters(spec: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     """Fresh parameters of the spec's shapes and their fixed random gradients."""
     import torch
 
-    gen = torch.Generator().manual_seed(spec["seed"])
-    params = [torch.nn.Parameter(0.02 * torch.randn(shape, generator=gen)) for shape in spec["shapes"]]
-    grads = [torch.randn(shape, generator=gen) for shape in spec["shapes"]]
+    gen = torch.Generator().manual_seed(spec["seed"])  # drawn on the CPU: the same values on every device
+    device = torch.device(spec.get("device", "cpu"))
+    params = [torch.nn.Parameter((0.02 * torch.randn(shape, generator=gen)).to(device)) for shape in spec["shapes"]]
+    grads = [torch.randn(shape, generator=gen).to(device) for shape in spec["shapes"]]
     return params, grads
 
 
-def _time_steps(step: Any, params: list[Any], grads: list[Any], warmup: int, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` calls of ``step`` after ``warmup``; gradients restored before each, untimed."""
+def _synchronizer(device: str) -> Any:
+    """``torch.cuda.synchronize`` on a GPU (a timed call then includes the kernels it queued), else a no-op."""
+    import torch
+
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+def _time_steps(step: Any, params: list[Any], grads: list[Any], warmup: int, steps: int, sync: Any = lambda: None) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step`` after ``warmup``; gradients restored before each, untimed;
+    ``sync()`` before the clock starts and before it stops."""
     times = []
     for i in range(warmup + steps):
         for p, g in zip(params, grads):
@@ -95,42 +111,48 @@ def _time_steps(step: Any, params: list[Any], grads: list[Any], warmup: int, ste
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
+        sync()
         start = time.perf_counter()
         step()
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
 
 
-def _median_of(fn: Any, reps: int) -> float:
+def _median_of(fn: Any, reps: int, sync: Any = lambda: None) -> float:
     fn()  # warm-up
     times = []
     for _ in range(reps):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def floors(n_params: int, chunk: int, reps: int) -> dict[str, Any]:
-    """(1) the 2-D DCT of every tile of ``n_params`` parameters as two batched GEMMs; (2) a square matmul of the same FLOPs."""
+def floors(n_params: int, chunk: int, reps: int, device: str = "cpu") -> dict[str, Any]:
+    """(1) the 2-D DCT of every tile of ``n_params`` parameters as two batched GEMMs; (2) a square matmul of the same
+    FLOPs; both on ``device``."""
     import torch
 
+    sync = _synchronizer(device)
     n_tiles = math.ceil(n_params / (chunk * chunk))
     flops = 2 * n_tiles * chunk * chunk * (2 * chunk)  # two GEMMs of (T, c, c) @ (c, c)
     gen = torch.Generator().manual_seed(1)
     k = torch.arange(chunk, dtype=torch.float64)
     basis = torch.cos(math.pi * (2 * k[None, :] + 1) * k[:, None] / (2 * chunk)) * math.sqrt(2 / chunk)
     basis[0] /= math.sqrt(2)  # orthonormal DCT-II
-    basis_t = basis.T.contiguous().float()
-    tiles = torch.randn((n_tiles, chunk, chunk), generator=gen)
+    basis_t = basis.T.contiguous().float().to(device)
+    tiles = torch.randn((n_tiles, chunk, chunk), generator=gen).to(device)
     half, full = torch.empty_like(tiles), torch.empty_like(tiles)
-    tile_s = _median_of(lambda: torch.matmul(torch.matmul(tiles, basis_t, out=half), basis_t, out=full), reps)
+    tile_s = _median_of(lambda: torch.matmul(torch.matmul(tiles, basis_t, out=half), basis_t, out=full), reps, sync)
     del tiles, half, full
     side = max(64, round((flops / 2) ** (1 / 3)))
-    a, b = torch.randn((side, side), generator=gen), torch.randn((side, side), generator=gen)
-    product = torch.empty((side, side))
-    square_s = _median_of(lambda: torch.matmul(a, b, out=product), reps) * flops / (2 * side**3)
+    a, b = torch.randn((side, side), generator=gen).to(device), torch.randn((side, side), generator=gen).to(device)
+    product = torch.empty((side, side), device=device)
+    square_s = _median_of(lambda: torch.matmul(a, b, out=product), reps, sync) * flops / (2 * side**3)
     return {"tile_transform_s": tile_s, "square_matmul_s": square_s, "tiles": n_tiles, "flops": flops,
             "square_side": side}
 
@@ -151,14 +173,15 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         exchange.step()
         optimizer.step()
 
-    times = _time_steps(step, params, grads, spec["warmup"], spec["steps"])
+    times = _time_steps(step, params, grads, spec["warmup"], spec["steps"], _synchronizer(spec.get("device", "cpu")))
     payload = getattr(exchange.stats, "payload_bytes", None)
     if payload is None:  # the ledger of the last step
         payload = sum(r.payload_bytes for r in exchange.comm.ledger.step_records)
     out = {"step_s": statistics.median(times), "times_s": times, "payload_bytes": int(payload), "config_form": form,
            "library": str(Path(demo_lightning.__file__).resolve().parents[1])}
     if spec.get("floors"):
-        out["floors"] = floors(sum(math.prod(s) for s in spec["shapes"]), spec["chunk"], max(spec["steps"], 5))
+        out["floors"] = floors(sum(math.prod(s) for s in spec["shapes"]), spec["chunk"], max(spec["steps"], 5),
+                               spec.get("device", "cpu"))
     return out
 
 
@@ -182,7 +205,8 @@ def worker_reference(spec: dict[str, Any]) -> dict[str, Any]:
             kwargs = {"compression_decay": spec["decay"], "compression_topk": spec["topk"],
                       "compression_chunk": spec["chunk"], "weight_decay": 0.0, "lr": spec["lr"]}
             optimizer = module.DeMo(params, **kwargs)
-            times = _time_steps(optimizer.step, params, grads, spec["warmup"], spec["steps"])
+            times = _time_steps(optimizer.step, params, grads, spec["warmup"], spec["steps"],
+                                _synchronizer(spec.get("device", "cpu")))
             payload = int(optimizer.data_transmit)  # sparse_idx.nbytes + sparse_val.nbytes, summed over tensors
         finally:
             dist.destroy_process_group()
@@ -251,7 +275,7 @@ def render(result: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` — {meta['date']}, {meta['machine']}, {meta['threads']} thread(s), torch {meta['torch']}. "
         f"Load average (1/5/15 min) at start {meta['loadavg_start']}, at end {meta['loadavg_end']}.",
         "",
-        f"{meta['model']}: {meta['n_params']:,} trainable parameters in {meta['n_tensors']} tensors; world size 1; "
+        f"{meta['model']}: {meta['n_params']:,} trainable parameters in {meta['n_tensors']} tensors; world size 1; on {meta.get('device', 'cpu')}; "
         f"chunk {s['chunk']}, topk {s['topk']}, {s['value_format']} values, decay {s['decay']}, update {s['update']}, "
         f"SGD lr {s['lr']}. Median of {meta['steps']} steps after {meta['warmup']} warm-up steps per round, "
         f"{meta['rounds']} alternating round(s); spread = lowest and highest round.",
@@ -294,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--against", default=None, help="a git revision whose demo_lightning is timed side by side")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds, medians reported (default 3; 2 with --quick)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where parameters, gradients and state live")
     p.add_argument("--out", default=str(RESULTS), help="folder for exchange_step.json and .md (exchange_step_quick.* with --quick)")
     args = p.parse_args(argv)
     d_model = args.d_model or (192 if args.quick else 512)
@@ -305,8 +330,15 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r}: not a device; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
     shapes, model = model_shapes(d_model)
-    spec = {"shapes": shapes, "threads": args.threads, "steps": steps, "warmup": warmup, "seed": args.seed, **SETTINGS}
+    spec = {"shapes": shapes, "threads": args.threads, "steps": steps, "warmup": warmup, "seed": args.seed,
+            "device": str(device), **SETTINGS}
     notes: list[str] = []
     reference = os.environ.get("DEMO_REFERENCE")
     if not reference:
@@ -319,7 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     meta: dict[str, Any] = {
         "command": " ".join(["python benchmarks/exchange_step.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})", "threads": args.threads, "torch": torch.__version__,
+        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})"
+                   + (f", GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
+        "device": str(device), "threads": args.threads, "torch": torch.__version__,
         "model": model, "n_params": sum(math.prod(s) for s in shapes), "n_tensors": len(shapes), "settings": SETTINGS,
         "steps": steps, "warmup": warmup, "rounds": args.rounds, "against": args.against, "this": this,
         "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -395,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
               "targets": {k: list(v) for k, v in TARGETS.items()}, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "exchange_step_quick" if args.quick else "exchange_step"
+    stem = ("exchange_step_quick" if args.quick else "exchange_step") + ("_cuda" if device.type == "cuda" else "")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     table = render(result)
     (out / f"{stem}.md").write_text(table)

@@ -1,4 +1,4 @@
-"""Run a function on several real processes with a gloo process group, under a hard timeout.
+"""Run a function on several real processes with a process group (gloo unless told), under a hard timeout.
 
 Each worker gets a fresh process (forked from a preloaded forkserver), its own process group on a free loopback port, one
 CPU thread, and always destroys its group. A worker that raises makes the call fail with its
@@ -40,14 +40,15 @@ def tensor_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def _entry(target: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple, timeout_s: float) -> None:
+def _entry(target: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple, timeout_s: float,
+           backend: str = "gloo") -> None:
     for key in _LEAKY_ENV:
         os.environ.pop(key, None)
     torch.set_num_threads(1)
     out = Path(out_dir)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         result = target(rank, world_size, *args)
@@ -71,13 +72,16 @@ def _context() -> Any:
     return ctx
 
 
-def run_workers(target: Callable[..., Any], world_size: int, out_dir: Path, *args: Any, timeout: float = 120.0, collective_timeout: float = 60.0) -> list[Any]:
-    """Run ``target(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result."""
+def run_workers(target: Callable[..., Any], world_size: int, out_dir: Path, *args: Any, timeout: float = 120.0, collective_timeout: float = 60.0,
+                backend: str = "gloo") -> list[Any]:
+    """Run ``target(rank, world_size, *args)`` on ``world_size`` processes over a ``backend`` process group; return
+    each rank's result."""
     ctx = _context()
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(target, rank, world_size, port, str(out_dir), args, collective_timeout), daemon=True)
+        ctx.Process(target=_entry, args=(target, rank, world_size, port, str(out_dir), args, collective_timeout, backend),
+                    daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
