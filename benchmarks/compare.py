@@ -37,7 +37,8 @@ compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps kee
 ``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions),
 ``desloc-adaptive`` (``desloc-k16``'s periods adapted by ``AdaptiveSyncPeriods`` to the replicas' divergence)
 against ``desloc-fixed-equal`` / ``-equal-ratio`` (fixed periods at its bytes: 16 / 32 / 128, and 1 : 3 : 6 at K_x 15),
-``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
+``demo-adamw`` (``strategy="demo"``'s defaults with ``update="raw"``: the decoded mean is AdamW's gradient
+instead of ``SGD``'s sign; same bytes as ``demo-default``), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
 ``transform="identity"``: no transform, chunked top-k of the momentum itself; same bytes as ``demo``),
 ``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
 bytes per worker at 2 / 4 / 8 workers) and ``demo-shared-k48`` (the largest top-k with 100x fewer
@@ -308,6 +309,10 @@ for _name, _method in list(METHODS.items()):
 METHODS["demo-default"] = Method(
     "DeMo, strategy=\"demo\"'s defaults: k by workers (64 at 2) after 40 steps at 4x that, 1-bit signs, 1-D tensors and those under 1,024 elements dense in bf16, SGD",
     "demo", "sgd", DEMO_LR,
+)
+METHODS["demo-adamw"] = Method(
+    "DeMo, strategy=\"demo\"'s defaults but update=\"raw\": the decoded mean as AdamW's gradient (no sign), AdamW",
+    "demo", "adamw", ADAMW_LR, {"update": "raw"},
 )
 
 
