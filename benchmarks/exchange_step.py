@@ -336,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--device {args.device!r}: not a device; use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from codec import machine  # cores, processor model and GPU, as the codec benchmark names them
+
     shapes, model = model_shapes(d_model)
     spec = {"shapes": shapes, "threads": args.threads, "steps": steps, "warmup": warmup, "seed": args.seed,
             "device": str(device), **SETTINGS}
@@ -351,8 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     meta: dict[str, Any] = {
         "command": " ".join(["python benchmarks/exchange_step.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})"
-                   + (f", GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
+        "machine": machine(device),
         "device": str(device), "threads": args.threads, "torch": torch.__version__,
         "model": model, "n_params": sum(math.prod(s) for s in shapes), "n_tensors": len(shapes), "settings": SETTINGS,
         "steps": steps, "warmup": warmup, "rounds": args.rounds, "against": args.against, "this": this,
