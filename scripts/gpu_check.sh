@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one run (about 4 minutes on one H200): the CUDA tests, then the
+# The checks that need a GPU, in one run (about 5 minutes on one H200): the CUDA tests, then the
 # codec's stages and the whole DeMo exchange step timed on the GPU. CI has no GPU and never runs this.
 #
 #   bash scripts/gpu_check.sh [OUT]        # OUT: folder for the logs and results (default gpu_check/)
@@ -7,7 +7,8 @@
 #
 # It uses the `python3` on the PATH as it is (a GPU machine's own PyTorch and Lightning; install the
 # package's dependencies first where they are missing) with this checkout first on PYTHONPATH.
-# Writes OUT/versions.txt, OUT/pytest_cuda.log, OUT/codec.{json,md}, OUT/exchange_step_cuda.{json,md}.
+# Writes OUT/versions.txt, OUT/pytest_cuda.log, OUT/codec.{json,md}, OUT/exchange_step_cuda.{json,md},
+# OUT/exchange_profile_d2048_l4_cuda.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu_check}
@@ -30,5 +31,8 @@ python3 benchmarks/codec.py --device cuda --min-run-time 0.2 --out "$out" 2>&1 |
 
 echo "== the whole exchange step on the GPU (201 M-parameter GPT shapes)"
 python3 benchmarks/exchange_step.py --device cuda --d-model 2048 --out "$out" 2>&1 | tail -30 || status=1
+
+echo "== where that step's GPU time goes (torch.profiler)"
+python3 benchmarks/exchange_profile.py --device cuda --d-model 2048 --out "$out" 2>&1 | grep -v '^USDT\|^ERROR' | tail -40 || status=1
 
 exit $status
