@@ -38,6 +38,7 @@ from demo_lightning.algorithms import DeMoConfig, DeMoExchange
 from demo_lightning.comm import Communicator
 
 from dist_helpers import run_workers, tensor_hash
+from test_exchange_distributed import _Net  # multiples of the 64-wide tile and not, a conv, small dense tensors
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -50,19 +51,6 @@ EXACT = {"topk": 8, "dense_below": 100, "value_format": "fp32", "update": "raw"}
 DEFAULTS = {"dense_below": 100}  # the library's defaults: top-k, sign values, sign update
 
 
-class _Net(nn.Module):
-    """2-D weights whose sides are and are not multiples of the 64-wide tile, a conv, small dense tensors."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(64, 128)
-        self.b = nn.Linear(128, 67)
-        self.conv = nn.Conv1d(4, 8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x))).pow(2).mean() + self.conv(x.view(x.shape[0], 4, 16)).mean()
-
-
 def _train(device: str, steps: int, config: dict[str, Any], rank: int = 0, comm: Communicator | None = None) -> dict[str, Any]:
     """``steps`` DeMo steps of ``_Net`` on ``device``; the data are drawn on the CPU (the same on every device)."""
     torch.manual_seed(0)
@@ -73,7 +61,7 @@ def _train(device: str, steps: int, config: dict[str, Any], rank: int = 0, comm:
     for step in range(steps):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * step + rank)).to(device)
         opt.zero_grad()
-        model(x).backward()
+        model(x, branch=False).backward()
         exchange.step()
         opt.step()
         hashes.append([tensor_hash(p) for p in model.parameters()])
