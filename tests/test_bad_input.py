@@ -142,7 +142,7 @@ ROWS = [
         r"position_group_size=4.*selection='lowpass'", r"use selection='topk', or position_group_size=1"),
     Row("demo-position_group_size-shared", lambda _: DeMoStrategy(position_group_size=2, selection="shared", value_format="bf16"),
         ValueError, r"position_group_size=2.*selection='shared'", r"use selection='topk'"),
-    Row("demo-update", lambda _: DeMoStrategy(update="adam"), ValueError, r"\bupdate\b", r"one of \('sign', 'raw'\)"),
+    Row("demo-update", lambda _: DeMoStrategy(update="adam"), ValueError, r"\bupdate\b", r"one of \('sign', 'raw', 'normalized'\)"),
     Row("demo-dense_below", lambda _: DeMoStrategy(dense_below=-1), ValueError, r"dense_below", r"non-negative integer"),
     Row("demo-dense_format", lambda _: DeMoStrategy(dense_format="fp16"), ValueError, r"dense_format", r"'bf16'.*'fp32'"),
     Row("demo-dense_vectors", lambda _: DeMoStrategy(dense_vectors="yes"), ValueError, r"dense_vectors", r"True \(1-D tensors.*or False"),

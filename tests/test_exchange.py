@@ -49,6 +49,33 @@ def test_world_size_one_equals_direct_computation() -> None:
     assert set(torch.unique(weight.grad).tolist()) <= {-1.0, 0.0, 1.0}
 
 
+def test_normalized_update_is_the_shared_direction_over_its_rms() -> None:
+    # the same gradients through update="raw" and update="normalized": Q, and Q / sqrt(mean(Q^2)) per tensor
+    torch.manual_seed(2)
+    shapes = [(96, 80), (40,)]
+    raw_params = [nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    norm_params = [nn.Parameter(p.detach().clone()) for p in raw_params]
+    settings = dict(chunk=32, topk=6, decay=0.9, dense_below=0)
+    raw = DeMoExchange(torch.optim.SGD(raw_params, lr=0.1), DeMoConfig.of(update="raw", **settings))
+    norm = DeMoExchange(torch.optim.SGD(norm_params, lr=0.1), DeMoConfig.of(update="normalized", **settings))
+    for _ in range(3):
+        grads = [torch.randn(s, dtype=torch.float64) for s in shapes]
+        for p, q, g in zip(raw_params, norm_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        raw.step()
+        norm.step()
+        for p, q in zip(raw_params, norm_params):
+            expected = p.grad / p.grad.pow(2).mean().sqrt()
+            torch.testing.assert_close(q.grad, expected, rtol=1e-12, atol=0)
+            assert abs(q.grad.pow(2).mean().item() - 1.0) < 1e-12
+    # a zero direction stays zero (no division by zero)
+    zero = nn.Parameter(torch.zeros(64, 64, dtype=torch.float64))
+    ex = DeMoExchange(torch.optim.SGD([zero], lr=0.1), DeMoConfig.of(update="normalized", **settings))
+    zero.grad = torch.zeros_like(zero)
+    ex.step()
+    assert torch.equal(zero.grad, torch.zeros_like(zero))
+
+
 def test_dense_tensors_send_everything_in_fp32() -> None:  # bf16, the default: tests/test_dense_format.py
     bias = nn.Parameter(torch.zeros(10))
     opt = torch.optim.SGD([bias], lr=1.0)

@@ -14,6 +14,7 @@ and orthonormal, so this is the paper's algorithm with two transforms per step i
     Q  =  IDCT( sum_r scatter(I_r, V^_r) / W )[:R, :C]   # decode: rank order 0..W-1, one inverse
     p.grad <- sign(Q)   (update="sign", the paper's rule, for plain SGD)
     p.grad <- Q         (update="raw", the shared direction for any optimizer)
+    p.grad <- Q / sqrt(mean(Q^2))   (update="normalized", per tensor: the sign's step size, Q's shape)
 
 ``DCT`` above is the codec's ``transform`` (:class:`~demo_lightning.algorithms.CodecConfig`,
 :mod:`~demo_lightning.codec.bases`): the DCT-II by default, ``"haar"`` (Haar wavelets, the same
@@ -136,7 +137,7 @@ __all__ = [
 DEMO_STATE_KEY = "demo_momentum"
 """The name of the DeMo momentum among the states DES-LOC averages (``state_sync_every``), and the
 optimizer-state key where checkpoints of layout version 1 kept it."""
-Update = Literal["sign", "raw"]
+Update = Literal["sign", "raw", "normalized"]
 UPDATES: tuple[str, ...] = get_args(Update)
 
 
@@ -165,7 +166,12 @@ class DeMoConfig:
         codec: how momenta are compressed on the wire (:class:`CodecConfig`: chunk, topk or
             keep_ratio, selection, value_format, dense_below, dense_vectors, dense_format, bucket_cap_mb).
         decay: momentum decay beta in [0, 1) (the reference's ``compression_decay``; it used 0.999).
-        update: ``"sign"`` writes ``sign(Q)`` into ``p.grad`` (plain SGD); ``"raw"`` writes ``Q``.
+        update: ``"sign"`` writes ``sign(Q)`` into ``p.grad`` (plain SGD); ``"raw"`` writes ``Q``;
+            ``"normalized"`` writes ``Q`` over its root mean square per tensor (plain SGD: the sign's
+            step size, computed in at least fp32; an all-zero ``Q`` stays zero). Issue 18's test of
+            whether the sign discards what a larger global batch gains: on the 0.44 M GPT over 1,040
+            steps at 4 workers (prose) it ended at 1.22x DDP's loss (1.29x at lr 3e-3) where the
+            sign ended at 1.06x.
         compensation: the seed's momentum compensation for small batches (seed 000 §5.1,
             ``v + lambda (g_t - g_{t-1})``), ``lambda`` in [0, 1]: each worker feeds its momentum
             ``g_t + lambda (g_t - g_{t-1})`` instead of ``g_t`` (the first step, and a tensor with no
@@ -832,6 +838,10 @@ class DeMoExchange:
         target = grad.view(q.shape)
         if self.config.update == "sign":
             torch.sign(q, out=target) if target.dtype == q.dtype else target.copy_(torch.sign(q))
+        elif self.config.update == "normalized":
+            wide = q.to(torch.promote_types(q.dtype, torch.float32))
+            rms = wide.pow(2).mean().sqrt().clamp_min(torch.finfo(wide.dtype).tiny)
+            target.copy_(wide / rms)
         else:
             target.copy_(q)
 

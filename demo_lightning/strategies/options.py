@@ -119,8 +119,10 @@ class DeMoOptions(_Options):
             in consecutive blocks) share their positions in groups of this many, chosen per tile from
             the group's summed energy and sent once per group; each tensor still sends its own values
             (seed 000 §7). ``1``: every tensor sends its own positions.
-        update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``) or ``"raw"``
-            (the shared direction as the gradient, for any optimizer such as AdamW).
+        update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``), ``"raw"``
+            (the shared direction as the gradient, for any optimizer such as AdamW) or
+            ``"normalized"`` (the shared direction over its root mean square per tensor, for SGD; an
+            ablation: it trained worse than the sign, README issue 18).
         compensation: momentum compensation ``lambda`` in [0, 1] (seed 000 §5.1, for small batches):
             each worker's momentum takes ``g_t + lambda (g_t - g_{t-1})``; costs one copy of the
             exchanged tensors' last gradient per worker (in checkpoints); ``0``: off.

@@ -246,7 +246,7 @@ class CommunicationRuntime:
             )
         self.release(optimizer)
         if self.demo_config is not None:
-            if self.demo_config.update == "sign":
+            if self.demo_config.update in ("sign", "normalized"):
                 message = warn_if_stateful(optimizer)
                 if message:
                     rank_zero_warn(message)
