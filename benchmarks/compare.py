@@ -37,7 +37,8 @@ compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps kee
 ``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions),
 ``desloc-adaptive`` (``desloc-k16``'s periods adapted by ``AdaptiveSyncPeriods`` to the replicas' divergence)
 against ``desloc-fixed-equal`` / ``-equal-ratio`` (fixed periods at its bytes: 16 / 32 / 128, and 1 : 3 : 6 at K_x 15),
-``demo-adamw`` (``strategy="demo"``'s defaults with ``update="raw"``: the decoded mean is AdamW's gradient
+``ddp-signum-b0.9`` / ``-b0.99`` (DDP's exact mean gradient with ``Signum``: DeMo's sign rule without
+the codec, at DeMo's rate), ``demo-adamw`` (``strategy="demo"``'s defaults with ``update="raw"``: the decoded mean is AdamW's gradient
 instead of ``SGD``'s sign; same bytes as ``demo-default``), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
 ``transform="identity"``: no transform, chunked top-k of the momentum itself; same bytes as ``demo``),
 ``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
@@ -96,7 +97,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from readme_section import markers, replace_section
 
@@ -117,6 +118,7 @@ class Method:
     keep_ratio: Any = None  # AdaptiveKeepRatio(keep_ratio=...) on the Trainer: "default" (its ramp), a number, a Schedule's
     # fields (a dict); None: no callback
     sync_periods: Any = None  # AdaptiveSyncPeriods(**sync_periods) on the Trainer (a dict of its arguments); None: no callback
+    momentum: Optional[float] = None  # the model's ``momentum``: SGD's momentum or Signum's beta (None: the optimizer's default)
 
 
 ADAMW_LR, DEMO_LR = 1e-3, 1e-3
@@ -314,6 +316,13 @@ METHODS["demo-adamw"] = Method(
     "DeMo, strategy=\"demo\"'s defaults but update=\"raw\": the decoded mean as AdamW's gradient (no sign), AdamW",
     "demo", "adamw", ADAMW_LR, {"update": "raw"},
 )
+# issue 18, DeMo's sign rule without the codec: DDP all-reduces the exact mean gradient and Signum steps
+# lr * sign(momentum) (arXiv 1802.04434), at DeMo's rate; beta 0.9 is the paper's, 0.99 DeMo's decay
+for _beta in (0.9, 0.99):
+    METHODS[f"ddp-signum-b{_beta:g}"] = Method(
+        f"Lightning DDP, Signum beta {_beta:g} (sign of the exact gradient's momentum: DeMo's rule without the codec)",
+        "ddp", "signum", DEMO_LR, momentum=_beta,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -489,7 +498,8 @@ def worker(args: argparse.Namespace) -> None:
                 self.val_acc_curve.append((step, float(metrics["val/acc"])))
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
-    schedule = dict(optimizer=method.optimizer, lr=method.lr if args.lr is None else args.lr, warmup_steps=args.warmup_steps,
+    schedule = dict(optimizer=method.optimizer, lr=method.lr if args.lr is None else args.lr, momentum=method.momentum,
+                    warmup_steps=args.warmup_steps,
                     max_steps=args.steps if args.schedule_steps is None else args.schedule_steps)
     if args.corpus == DIGITS:
         model: pl.LightningModule = ImageClassifier(DIGITS_MODEL, model_kwargs=dict(DIGITS_KWARGS), **schedule)

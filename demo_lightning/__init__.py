@@ -18,7 +18,8 @@ The public surface, importable from here:
 * communication: :class:`Communicator`, :class:`CollectiveWork`, :class:`CollectiveError`,
   :class:`ByteLedger`;
 * callbacks: :class:`CommunicationMonitor`, :class:`AdaptiveKeepRatio`, :class:`AdaptiveSyncPeriods`, :class:`LayerPolicy`
-  (with :class:`LayerRule` and :class:`Schedule`); the optimizer :class:`DecoupledMomentum`.
+  (with :class:`LayerRule` and :class:`Schedule`); the optimizers :class:`DecoupledMomentum` and :class:`Signum`
+  (the sign rule on the exact gradient: DeMo's reference under DDP).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -32,7 +33,7 @@ from demo_lightning.algorithms.guard import NonFiniteGuard
 from demo_lightning.algorithms.participants import StepContext, StepParticipant, run_step
 from demo_lightning.callbacks import AdaptiveKeepRatio, AdaptiveSyncPeriods, CommunicationMonitor, LayerPolicy, LayerRule
 from demo_lightning.comm import ByteLedger, CollectiveError, CollectiveWork, Communicator
-from demo_lightning.optim import DecoupledMomentum
+from demo_lightning.optim import DecoupledMomentum, Signum
 from demo_lightning.schedules import Schedule
 from demo_lightning.strategies import DeMoFabricStrategy, DeMoStrategy, DesLocFabricStrategy, DesLocStrategy
 
@@ -66,6 +67,7 @@ __all__ = [
     "LayerRule",
     "NonFiniteGuard",
     "Schedule",
+    "Signum",
     "StepContext",
     "StepParticipant",
     "TensorCodec",

@@ -36,6 +36,7 @@ HOMES = {
     "LayerRule": "demo_lightning.callbacks.layer_policy",
     "NonFiniteGuard": "demo_lightning.algorithms.guard",
     "Schedule": "demo_lightning.schedules",
+    "Signum": "demo_lightning.optim.signum",
     "StepContext": "demo_lightning.algorithms.participants",
     "StepParticipant": "demo_lightning.algorithms.participants",
     "TensorCodec": "demo_lightning.algorithms.config",

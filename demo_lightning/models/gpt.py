@@ -8,6 +8,7 @@ tokens (vocabulary 256), so any text trains without a tokenizer.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -90,11 +91,13 @@ class GPTLightningModule(pl.LightningModule):
         d_model: width.
         n_layer: blocks.
         n_head: attention heads.
-        optimizer: ``"sgd"`` (plain SGD: the pairing for DeMo's sign update), ``"adamw"`` or
-            ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`).
+        optimizer: ``"sgd"`` (plain SGD: the pairing for DeMo's sign update), ``"adamw"``,
+            ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`) or ``"signum"``
+            (:class:`demo_lightning.optim.Signum`: DeMo's sign rule on the exact gradient, under DDP).
         lr: peak learning rate.
         weight_decay: decoupled weight decay (SGD's coupled decay equals it under a sign update).
-        momentum: SGD momentum (0 for DeMo's sign update, which brings its own momentum).
+        momentum: SGD's momentum (``None``: 0, for DeMo's sign update, which brings its own momentum) or
+            Signum's beta (``None``: 0.9); ignored by the other optimizers.
         warmup_steps: linear warm-up steps, then cosine decay to 10 % at ``max_steps``.
         max_steps: length of the cosine schedule (the Trainer's ``max_steps``).
     """
@@ -108,7 +111,7 @@ class GPTLightningModule(pl.LightningModule):
         optimizer: OptimizerName = "adamw",
         lr: float = 1e-3,
         weight_decay: float = 0.0,
-        momentum: float = 0.0,
+        momentum: Optional[float] = None,
         warmup_steps: int = 20,
         max_steps: int = 300,
     ) -> None:

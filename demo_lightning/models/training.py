@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 
 __all__ = ["OPTIMIZERS", "OptimizerName", "optimizer_with_schedule"]
 
-OptimizerName = Literal["sgd", "adamw", "decoupled"]
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "decoupled")
+OptimizerName = Literal["sgd", "adamw", "decoupled", "signum"]
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "decoupled", "signum")
 
 
 def optimizer_with_schedule(
@@ -20,25 +20,33 @@ def optimizer_with_schedule(
     optimizer: str,
     lr: float,
     weight_decay: float,
-    momentum: float,
+    momentum: Optional[float],
     warmup_steps: int,
     max_steps: int,
 ) -> dict[str, Any]:
     """``configure_optimizers``'s return value: the optimizer with a linear warm-up over
     ``warmup_steps`` then a cosine decay to 10 % of ``lr`` at ``max_steps`` (stepped per optimizer step).
 
-    ``optimizer``: ``"sgd"`` (``momentum``; 0 for DeMo's sign update), ``"adamw"``, or
-    ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`, beta 0.9, lambda 0.1, which
-    a :class:`~demo_lightning.callbacks.LayerPolicy` can set per layer).
+    ``optimizer``: ``"sgd"`` (``momentum``, 0 when ``None``: the pairing for DeMo's sign update),
+    ``"adamw"``, ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`, beta 0.9, lambda 0.1,
+    which a :class:`~demo_lightning.callbacks.LayerPolicy` can set per layer), or ``"signum"``
+    (:class:`demo_lightning.optim.Signum`, its beta ``momentum``, 0.9 when ``None``: the sign rule on
+    the exact gradient, DeMo's reference under DDP). ``adamw`` and ``decoupled`` ignore ``momentum``.
     """
     if optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay, momentum=momentum)
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            parameters, lr=lr, weight_decay=weight_decay, momentum=0.0 if momentum is None else momentum
+        )
     elif optimizer == "adamw":
         opt = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
     elif optimizer == "decoupled":
         from demo_lightning.optim import DecoupledMomentum
 
         opt = DecoupledMomentum(parameters, lr=lr, weight_decay=weight_decay)
+    elif optimizer == "signum":
+        from demo_lightning.optim import Signum
+
+        opt = Signum(parameters, lr=lr, beta=0.9 if momentum is None else momentum, weight_decay=weight_decay)
     else:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
 

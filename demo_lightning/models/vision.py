@@ -24,10 +24,10 @@ class ImageClassifier(pl.LightningModule):
         in_chans: image channels (3 for the bundled digits).
         model_kwargs: passed to ``timm.create_model``, e.g. ``{img_size: 32, patch_size: 4}`` for a ViT
             on 32x32 images.
-        optimizer: ``"sgd"`` (pair with DeMo's sign update), ``"adamw"`` or ``"decoupled"``.
+        optimizer: ``"sgd"`` (pair with DeMo's sign update), ``"adamw"``, ``"decoupled"`` or ``"signum"``.
         lr: peak learning rate.
         weight_decay: decoupled weight decay.
-        momentum: SGD momentum.
+        momentum: SGD's momentum (``None``: 0) or Signum's beta (``None``: 0.9); ignored by the others.
         warmup_steps: linear warm-up steps, then cosine decay to 10 % at ``max_steps``.
         max_steps: length of the schedule (the Trainer's ``max_steps``).
 
@@ -44,7 +44,7 @@ class ImageClassifier(pl.LightningModule):
         optimizer: OptimizerName = "sgd",
         lr: float = 0.01,
         weight_decay: float = 0.0,
-        momentum: float = 0.0,
+        momentum: Optional[float] = None,
         warmup_steps: int = 10,
         max_steps: int = 300,
     ) -> None:

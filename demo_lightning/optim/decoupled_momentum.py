@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from itertools import chain
 from typing import Any, Optional, Union
 
 import torch
@@ -72,17 +71,13 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 from typing_extensions import override
 
+from demo_lightning.optim._precision import load_state_dict_keeping_fp32, momentum_dtype
 from demo_lightning.validation import check_number
 
 __all__ = ["STATE_KEY", "DecoupledMomentum", "decoupled_momentum_update"]
 
 STATE_KEY = "momentum_buffer"
-_HALF = (torch.float16, torch.bfloat16)
 _OVERRIDABLE = ("beta", "lam")
-
-
-def _momentum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _HALF else dtype
 
 
 # (low, high, low_open, high_open) of each option
@@ -235,14 +230,7 @@ class DecoupledMomentum(Optimizer):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer``'s, but fp16/bf16 parameters keep their momentum in fp32."""
-        saved_state = state_dict["state"]
-        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-        super().load_state_dict(state_dict)
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for saved_id, p in zip(saved_ids, params):
-            buf = saved_state.get(saved_id, {}).get(STATE_KEY)
-            if isinstance(buf, Tensor) and p.dtype in _HALF:
-                self.state[p][STATE_KEY] = buf.to(device=p.device, dtype=torch.float32, copy=True)
+        load_state_dict_keeping_fp32(self, state_dict, STATE_KEY)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -267,7 +255,7 @@ class DecoupledMomentum(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("DecoupledMomentum does not support sparse gradients")
                 state = self.state[p]
-                dtype = _momentum_dtype(p.dtype)
+                dtype = momentum_dtype(p.dtype)
                 buf = state.get(STATE_KEY)
                 if buf is None:
                     buf = state[STATE_KEY] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
