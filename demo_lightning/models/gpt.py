@@ -98,8 +98,9 @@ class GPTLightningModule(pl.LightningModule):
         weight_decay: decoupled weight decay (SGD's coupled decay equals it under a sign update).
         momentum: SGD's momentum (``None``: 0, for DeMo's sign update, which brings its own momentum) or
             Signum's beta (``None``: 0.9); ignored by the other optimizers.
-        warmup_steps: linear warm-up steps, then cosine decay to 10 % at ``max_steps``.
+        warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio`` of ``lr`` at ``max_steps``.
         max_steps: length of the cosine schedule (the Trainer's ``max_steps``).
+        min_lr_ratio: the rate at ``max_steps`` over ``lr``, in [0, 1].
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class GPTLightningModule(pl.LightningModule):
         momentum: Optional[float] = None,
         warmup_steps: int = 20,
         max_steps: int = 300,
+        min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -156,5 +158,6 @@ class GPTLightningModule(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         hp = self.hparams
         return optimizer_with_schedule(
-            self.parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.momentum, hp.warmup_steps, hp.max_steps
+            self.parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.momentum, hp.warmup_steps, hp.max_steps,
+            hp.get("min_lr_ratio", 0.1),  # checkpoints saved before it existed
         )

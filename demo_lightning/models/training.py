@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
+from demo_lightning.validation import check_number
+
 __all__ = ["OPTIMIZERS", "OptimizerName", "optimizer_with_schedule"]
 
 OptimizerName = Literal["sgd", "adamw", "decoupled", "signum"]
@@ -23,9 +25,11 @@ def optimizer_with_schedule(
     momentum: Optional[float],
     warmup_steps: int,
     max_steps: int,
+    min_lr_ratio: float = 0.1,
 ) -> dict[str, Any]:
     """``configure_optimizers``'s return value: the optimizer with a linear warm-up over
-    ``warmup_steps`` then a cosine decay to 10 % of ``lr`` at ``max_steps`` (stepped per optimizer step).
+    ``warmup_steps`` then a cosine decay to ``min_lr_ratio`` times ``lr`` (10 % by default) at
+    ``max_steps``, and that rate after it (stepped per optimizer step).
 
     ``optimizer``: ``"sgd"`` (``momentum``, 0 when ``None``: the pairing for DeMo's sign update),
     ``"adamw"``, ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`, beta 0.9, lambda 0.1,
@@ -33,6 +37,7 @@ def optimizer_with_schedule(
     (:class:`demo_lightning.optim.Signum`, its beta ``momentum``, 0.9 when ``None``: the sign rule on
     the exact gradient, DeMo's reference under DDP). ``adamw`` and ``decoupled`` ignore ``momentum``.
     """
+    check_number("min_lr_ratio", min_lr_ratio, 0.0, 1.0, hint="the final rate over the peak: 0.1 decays to 10 %")
     if optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(
             parameters, lr=lr, weight_decay=weight_decay, momentum=0.0 if momentum is None else momentum
@@ -54,7 +59,7 @@ def optimizer_with_schedule(
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -28,8 +28,9 @@ class ImageClassifier(pl.LightningModule):
         lr: peak learning rate.
         weight_decay: decoupled weight decay.
         momentum: SGD's momentum (``None``: 0) or Signum's beta (``None``: 0.9); ignored by the others.
-        warmup_steps: linear warm-up steps, then cosine decay to 10 % at ``max_steps``.
+        warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio`` of ``lr`` at ``max_steps``.
         max_steps: length of the schedule (the Trainer's ``max_steps``).
+        min_lr_ratio: the rate at ``max_steps`` over ``lr``, in [0, 1].
 
     Raises:
         ValueError: an unknown ``model_name`` (with close matches) or ``optimizer``.
@@ -47,6 +48,7 @@ class ImageClassifier(pl.LightningModule):
         momentum: Optional[float] = None,
         warmup_steps: int = 10,
         max_steps: int = 300,
+        min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
         import timm
@@ -100,5 +102,6 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         hp = self.hparams
         return optimizer_with_schedule(
-            self.parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.momentum, hp.warmup_steps, hp.max_steps
+            self.parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.momentum, hp.warmup_steps, hp.max_steps,
+            hp.get("min_lr_ratio", 0.1),  # checkpoints saved before it existed
         )
