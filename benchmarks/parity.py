@@ -5,6 +5,7 @@ method at its best rate on the other corpora, model sizes, seeds and world sizes
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp    # at each method's best rate from the sweep
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp --sizes small,medium --seeds 0,1,2 --world-sizes 2,4
     .venv/bin/python benchmarks/parity.py render                     # tables from what has run so far
+    .venv/bin/python benchmarks/parity.py render --rates ddp=0.002,demo-default=0.002 --table at-2e-3.md  # at other rates
     .venv/bin/python benchmarks/parity.py corpora                    # the corpora's sizes and digests here
     .venv/bin/python benchmarks/parity.py curves benchmarks/results/parity/cells/prose_medium_*   # training-loss windows
 
@@ -205,7 +206,13 @@ def render(args: argparse.Namespace) -> None:
             lines.append(f"| {r['method']} | {r['lr']:g} | {r['loss']:.4f} | {'yes' if best[r['method']] == r['lr'] else ''} |")
         (out / "sweep.md").write_text("\n".join(lines) + "\n")
     cells = _cells(out)
-    if (out / "rates.json").exists():  # the rates the last `run` used (given with --lr, or the sweep's best)
+    given = getattr(args, "rates", "")  # render --rates: a table at other rates than the chosen ones
+    if given:
+        try:
+            rates = dict((k, float(v)) for k, v in (x.split("=") for x in given.split(",")))
+        except ValueError:
+            raise SystemExit(f"render --rates: expected METHOD=RATE,... (e.g. ddp=0.002,demo-default=0.002), got {given!r}") from None
+    elif (out / "rates.json").exists():  # the rates the last `run` used (given with --lr, or the sweep's best)
         rates = {k: float(v) for k, v in json.loads((out / "rates.json").read_text()).items()}
     else:
         rates = best_rates(out) if (out / "sweep.json").exists() else {}
@@ -224,7 +231,8 @@ def render(args: argparse.Namespace) -> None:
     def size_of(size: str, steps: int) -> str:
         return size if len(lengths) == 1 else f"{size} ({steps} steps)"
 
-    table = ["# Loss parity at each method's rate (the sweep's best, or given to `run --lr`)", "",
+    title = f"the rates given to `render --rates {given}`" if given else "each method's rate (the sweep's best, or given to `run --lr`)"
+    table = [f"# Loss parity at {title}", "",
              f"Validation loss (nats per byte) after {' or '.join(map(str, lengths))} steps, mean over seeds (min-max); "
              "ratio = loss / DDP's at the same seed.", "",
              "| corpus | size | W | method | lr | seeds | val loss | vs DDP | bytes vs DDP | target |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -274,7 +282,7 @@ def render(args: argparse.Namespace) -> None:
             beside = (f"; the default {math.exp(statistics.fmean(same)):.4f}x over {len(same)} of them" if same else "")
             table.append(f"- {name}: {math.exp(statistics.fmean(runs.values())):.4f}x over {len(runs)} runs{beside}")
     table += ["", "Commands: each cell's `compare.py` command is in `cells/<cell>/latest.json` (`meta.command`)."]
-    (out / "latest.md").write_text("\n".join(table) + "\n")
+    (out / getattr(args, "table", "latest.md")).write_text("\n".join(table) + "\n")
     print("\n".join(lines + [""] + table))
 
 
@@ -365,6 +373,9 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("corpora", help="every named corpus's documents, bytes and digest on this machine")
     c.add_argument("--max-bytes", type=int, default=4_000_000)
     d = sub.add_parser("render", help="tables from the cells run so far")
+    d.add_argument("--rates", default="", metavar="METHOD=RATE,...",
+                   help="the table at these rates instead of the chosen ones (rates.json), e.g. a finer sweep's best")
+    d.add_argument("--table", default="latest.md", help="the file under --out the table goes to")
     v = sub.add_parser("curves", help="training loss in windows of steps, per result folder")
     v.add_argument("folders", nargs="+", help="compare.py --out folders or parity cells")
     v.add_argument("--window", type=int, default=40)

@@ -131,6 +131,22 @@ def test_an_explicit_k_has_no_target_and_other_rates_are_listed(tmp_path: Path) 
     assert "| demo-sign1bit-k32 | 0.001 | 1 | 2.0800 | 1.0400x | 103x |  |" in (tmp_path / "latest.md").read_text()
 
 
+def test_render_at_given_rates_writes_its_own_table_and_keeps_the_chosen_one(tmp_path: Path) -> None:
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-default": 1e-3}))
+    for lr, ddp, demo in ((1e-3, 2.0, 2.06), (2e-3, 1.8, 1.98)):
+        _cell_w(tmp_path, "prose", 4, "ddp", lr, ddp, 1.0)
+        _cell_w(tmp_path, "prose", 4, "demo-default", lr, demo, 103.0)
+    parity.main(["render", "--rates", "ddp=0.002,demo-default=0.002", "--table", "at-2e-3.md", "--out", str(tmp_path)])
+    table = (tmp_path / "at-2e-3.md").read_text()
+    assert table.startswith("# Loss parity at the rates given to `render --rates ddp=0.002,demo-default=0.002`")
+    assert "| prose | small | 4 | demo-default | 0.002 | 1 | 1.9800 | 1.1000x | 103x | missed |" in table  # vs DDP at 2e-3
+    assert "| prose | small | 4 | demo-default | 0.001 | 0 | 2.0600 | 1.1444x | 103x |" in table.split("Other rates", 1)[1]
+    assert not (tmp_path / "latest.md").exists()  # the chosen rates' table is not overwritten
+    assert json.loads((tmp_path / "rates.json").read_text()) == {"ddp": 1e-3, "demo-default": 1e-3}
+    with pytest.raises(SystemExit, match=r"render --rates: expected METHOD=RATE"):
+        parity.main(["render", "--rates", "ddp:0.002", "--out", str(tmp_path)])
+
+
 def test_byte_ratios_under_ten_keep_two_digits(tmp_path: Path) -> None:
     """A method that moves more bytes than DDP (desloc-k1: 1 / 3 of DDP's ratio) reads 0.33x, not 0x."""
     (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "desloc-k1": 1e-3}))
