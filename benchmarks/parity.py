@@ -26,8 +26,10 @@ on scikit-learn's digits at 32x32, 32 images per worker per step); its one size 
 whatever ``--sizes`` says.
 
 The sweep: every method at each of ``--lrs`` (the same grid for all, warm-up 20 steps as in
-compare.py) on the tuning corpus; the best rate of a method is the one with the lowest final
-validation loss there. ``render`` writes ``<out>/sweep.md`` (the sweep, every rate) and
+compare.py) on the tuning corpus, at each of ``--seeds``; the best rate of a method is the one with
+the lowest final validation loss there, the mean over the seeds (a rate run at fewer of the method's
+seeds than the others is listed but not chosen). A sweep adds its cells to those of an earlier one in
+the same folder (same corpus, size, world size and length), so seeds and rates can be added later. ``render`` writes ``<out>/sweep.md`` (the sweep, every rate) and
 ``<out>/latest.md``: per corpus, size and world size, each method's validation loss over the
 seeds (mean and min-max), its ratio to DDP's at the same seed (mean and min-max), its bytes ratio
 to DDP, and the geometric mean of the loss ratio over every cell, with the issue's targets
@@ -112,25 +114,55 @@ def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: s
             "steady_ratio": record.get("steady_ratio_vs_ddp") or record["ratio_vs_ddp"], "n_trainable": record["n_trainable"]}
 
 
+def _sweep_losses(sweep: dict[str, Any]) -> dict[str, dict[float, dict[int, float]]]:
+    """The sweep's final validation losses as method -> rate -> seed -> loss (a sweep.json written before
+    sweeps took several seeds names its one seed at the top, not in its cells)."""
+    losses: dict[str, dict[float, dict[int, float]]] = {}
+    for r in sweep["cells"]:
+        seed = int(r.get("seed", sweep.get("seed", 0)))
+        losses.setdefault(r["method"], {}).setdefault(float(r["lr"]), {})[seed] = float(r["loss"])
+    return losses
+
+
+def _eligible(by_rate: dict[float, dict[int, float]]) -> dict[float, float]:
+    """Each rate's mean loss over the method's seeds, for the rates that ran at every one of them (a rate
+    tried at fewer seeds is listed in sweep.md but cannot be chosen: its mean is not comparable)."""
+    seeds = set().union(*(set(by_seed) for by_seed in by_rate.values()))
+    return {lr: statistics.fmean(by_seed.values()) for lr, by_seed in by_rate.items() if set(by_seed) == seeds}
+
+
 def best_rates(out: Path) -> dict[str, float]:
-    """Each method's rate with the lowest sweep loss (``<out>/sweep.json``)."""
+    """Each method's rate with the lowest mean sweep loss over the sweep's seeds (``<out>/sweep.json``)."""
     path = out / "sweep.json"
     if not path.exists():
         raise SystemExit(f"no sweep results at {path}: run `benchmarks/parity.py sweep` first, or give --lr METHOD=RATE,...")
-    rows = json.loads(path.read_text())["cells"]
-    best: dict[str, tuple[float, float]] = {}
-    for r in rows:
-        if r["method"] not in best or r["loss"] < best[r["method"]][0]:
-            best[r["method"]] = (r["loss"], r["lr"])
-    return {m: lr for m, (_, lr) in best.items()}
+    best: dict[str, float] = {}
+    for method, by_rate in _sweep_losses(json.loads(path.read_text())).items():
+        means = _eligible(by_rate)
+        if not means:
+            raise SystemExit(f"sweep: no rate of {method} ran at all of its seeds; run `parity.py sweep --methods {method} "
+                             f"--seeds ...` with every seed at the same rates")
+        best[method] = min(means, key=lambda lr: means[lr])
+    return best
 
 
 def sweep(args: argparse.Namespace) -> None:
+    """Every method at every rate and seed; the cells join those of an earlier sweep in the same folder on the
+    same corpus, size, world size and length (a later sweep can add seeds or rates without re-running)."""
     out = Path(args.out)
-    cells = [run_cell(out, args.corpus, args.size, args.seed, args.world, m, lr, args.steps)
-             for m in args.methods.split(",") for lr in (float(x) for x in args.lrs.split(","))]
-    (out / "sweep.json").write_text(json.dumps({"corpus": args.corpus, "size": args.size, "seed": args.seed,
-                                                 "world": args.world, "steps": args.steps, "cells": cells}, indent=1))
+    seeds = [int(x) for x in args.seeds.split(",")]
+    cells = [run_cell(out, args.corpus, args.size, seed, args.world, m, lr, args.steps)
+             for m in args.methods.split(",") for lr in (float(x) for x in args.lrs.split(",")) for seed in seeds]
+    setting = {"corpus": args.corpus, "size": args.size, "world": args.world, "steps": args.steps}
+    path = out / "sweep.json"
+    if path.exists():
+        earlier = json.loads(path.read_text())
+        if all(earlier.get(k) == v for k, v in setting.items()):
+            new = {(c["method"], c["lr"], c["seed"]) for c in cells}
+            kept = [{**c, "seed": int(c.get("seed", earlier.get("seed", 0)))} for c in earlier["cells"]]
+            cells = [c for c in kept if (c["method"], c["lr"], c["seed"]) not in new] + cells
+    every_seed = sorted({c["seed"] for c in cells})
+    path.write_text(json.dumps({**setting, "seeds": every_seed, "cells": cells}, indent=1))
     render(args)
 
 
@@ -199,11 +231,25 @@ def render(args: argparse.Namespace) -> None:
     lines: list[str] = []
     if (out / "sweep.json").exists():
         sw = json.loads((out / "sweep.json").read_text())
-        best = best_rates(out)
-        lines = [f"# Learning-rate sweep: corpus {sw['corpus']}, size {sw['size']}, seed {sw['seed']}, {sw['world']} workers, "
-                 f"{sw['steps']} steps", "", "| method | lr | val loss | best |", "|---|---|---|---|"]
-        for r in sorted(sw["cells"], key=lambda r: (r["method"], r["lr"])):
-            lines.append(f"| {r['method']} | {r['lr']:g} | {r['loss']:.4f} | {'yes' if best[r['method']] == r['lr'] else ''} |")
+        best, losses = best_rates(out), _sweep_losses(sw)
+        seeds = sorted({seed for by_rate in losses.values() for by_seed in by_rate.values() for seed in by_seed})
+        several = len(seeds) > 1
+        lines = [f"# Learning-rate sweep: corpus {sw['corpus']}, size {sw['size']}, "
+                 f"seed{'s' if several else ''} {', '.join(map(str, seeds))}, {sw['world']} workers, {sw['steps']} steps", ""]
+        if several:
+            lines += ["Best: the lowest mean over the method's seeds, among the rates run at all of them.", ""]
+        head = ["method", "lr", *(f"seed {x}" for x in seeds)] if several else ["method", "lr", "val loss"]
+        head += ["mean", "best"] if several else ["best"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for method in sorted(losses):
+            means = _eligible(losses[method])
+            for lr in sorted(losses[method]):
+                by_seed = losses[method][lr]
+                row = [method, f"{lr:g}", *(f"{by_seed[x]:.4f}" if x in by_seed else "" for x in seeds)]
+                if several:
+                    row.append(f"{means[lr]:.4f}" if lr in means else "(not every seed)")
+                row.append("yes" if best[method] == lr else "")
+                lines.append("| " + " | ".join(row) + " |")
         (out / "sweep.md").write_text("\n".join(lines) + "\n")
     cells = _cells(out)
     given = getattr(args, "rates", "")  # render --rates: a table at other rates than the chosen ones
@@ -354,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("sweep", help="every method at each rate on the tuning corpus")
     s.add_argument("--corpus", default="stdlib")
     s.add_argument("--size", default="small", choices=sorted(SIZES))
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seeds", "--seed", dest="seeds", default="0",
+                   help="seeds, e.g. 0,1,2: a rate's loss is its mean over them (added to an earlier sweep's cells)")
     s.add_argument("--world", type=int, default=2)
     s.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     s.add_argument("--methods", default=",".join(METHODS))

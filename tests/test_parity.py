@@ -62,6 +62,40 @@ def test_render_uses_the_swept_rates_and_reports_spread_ratio_and_geometric_mean
     assert "| prose | small | 2 | demo-default | 0.001 | 1 | 9.9000 |" in table
 
 
+def test_a_sweep_over_seeds_chooses_by_the_mean_and_adds_to_the_earlier_sweep(tmp_path: Path) -> None:
+    # seed 0 alone prefers 2e-3 for ddp; over seeds 0-2 the mean prefers 1e-3 (2.1 against 2.2)
+    losses = {("ddp", 1e-3): [2.2, 2.0, 2.1], ("ddp", 2e-3): [2.0, 2.3, 2.3], ("demo-default", 1e-3): [2.5, 2.4, 2.6],
+              ("demo-default", 2e-3): [2.4, 2.4, 2.4]}
+    for (method, lr), by_seed in losses.items():
+        for seed, loss in enumerate(by_seed):
+            _cell(tmp_path, "stdlib", seed, method, lr, loss, 1.0)
+    _cell(tmp_path, "stdlib", 0, "ddp", 3e-3, 1.5, 1.0)  # the lowest loss, but at one seed only: listed, not chosen
+    _cell(tmp_path, "stdlib", 0, "demo-default", 3e-3, 2.45, 1.0)
+    sweep = ["sweep", "--methods", "ddp,demo-default", "--steps", "10", "--out", str(tmp_path)]
+    parity.main([*sweep, "--lrs", "1e-3,2e-3,3e-3", "--seed", "0"])  # the cells exist: nothing runs
+    assert parity.best_rates(tmp_path) == {"ddp": 3e-3, "demo-default": 2e-3}
+    parity.main([*sweep, "--lrs", "1e-3,2e-3", "--seeds", "1,2"])  # adds seeds 1 and 2 to seed 0's sweep
+    stored = json.loads((tmp_path / "sweep.json").read_text())
+    assert stored["seeds"] == [0, 1, 2] and len(stored["cells"]) == 6 + 8
+    assert parity.best_rates(tmp_path) == {"ddp": 1e-3, "demo-default": 2e-3}
+    table = (tmp_path / "sweep.md").read_text()
+    assert "seeds 0, 1, 2" in table
+    assert "| ddp | 0.001 | 2.2000 | 2.0000 | 2.1000 | 2.1000 | yes |" in table
+    assert "| ddp | 0.003 | 1.5000 |  |  | (not every seed) |  |" in table
+    # a sweep on another corpus replaces the earlier one instead of mixing with it
+    _cell(tmp_path, "prose", 0, "ddp", 1e-3, 3.0, 1.0)
+    parity.main(["sweep", "--corpus", "prose", "--methods", "ddp", "--lrs", "1e-3", "--steps", "10", "--out", str(tmp_path)])
+    assert len(json.loads((tmp_path / "sweep.json").read_text())["cells"]) == 1
+
+
+def test_a_method_whose_rates_share_no_seed_cannot_be_chosen(tmp_path: Path) -> None:
+    cells = [{"method": "ddp", "lr": 1e-3, "seed": 0, "loss": 2.0}, {"method": "ddp", "lr": 2e-3, "seed": 1, "loss": 2.1}]
+    (tmp_path / "sweep.json").write_text(json.dumps({"corpus": "stdlib", "size": "small", "world": 2, "steps": 10,
+                                                     "seeds": [0, 1], "cells": cells}))
+    with pytest.raises(SystemExit, match="no rate of ddp ran at all of its seeds"):
+        parity.best_rates(tmp_path)
+
+
 def test_run_without_a_sweep_or_rates_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="run `benchmarks/parity.py sweep` first"):
         parity.main(["run", "--out", str(tmp_path)])
