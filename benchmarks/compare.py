@@ -499,7 +499,7 @@ def worker(args: argparse.Namespace) -> None:
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
     schedule = dict(optimizer=method.optimizer, lr=method.lr if args.lr is None else args.lr, momentum=method.momentum,
-                    warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+                    warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
                     max_steps=args.steps if args.schedule_steps is None else args.schedule_steps)
     if args.corpus == DIGITS:
         model: pl.LightningModule = ImageClassifier(DIGITS_MODEL, model_kwargs=dict(DIGITS_KWARGS), **schedule)
@@ -878,6 +878,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=20, help="learning-rate warm-up")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's final rate over the peak (every method)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="every method's decoupled weight decay (AdamW's; SGD's under the sign rule is the same)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the corpus read (5 %% validation)")
     p.add_argument("--corpus", default="stdlib",
                    help="a named corpus (stdlib, prose, cpp: demo_lightning.data.corpora), a path to your own text, "
@@ -921,6 +923,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--bandwidths must be > 0 and --latency-ms >= 0")
     if args.steps < 1 or args.val_every < 1 or args.warmup < 0:
         p.error("--steps and --val-every must be >= 1, --warmup >= 0")
+    if args.weight_decay < 0:
+        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.schedule_steps is not None and args.schedule_steps < args.steps:
         p.error(f"--schedule-steps ({args.schedule_steps}) must be >= --steps ({args.steps}): the run follows the schedule's first steps")
     if args.option and not args.worker:
@@ -930,7 +934,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except SystemExit as e:
                 p.error(str(e))
     keys = ("steps", "val_every", "d_model", "n_layer", "block_size", "batch_size", "warmup_steps", "max_bytes", "seed",
-            "bandwidths", "latency_ms", "timeout", "corpus", "lr", "schedule_steps", "min_lr_ratio")
+            "bandwidths", "latency_ms", "timeout", "corpus", "lr", "schedule_steps", "min_lr_ratio", "weight_decay")
     args.shared = [x for k in keys if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.shared += [x for item in args.option or () for x in ("--option", item)]
     return args
@@ -959,7 +963,8 @@ def main(argv: list[str] | None = None) -> None:
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), torch gloo on loopback",
             "steps": args.steps, "n_trainable": records[0]["n_trainable"], "d_model": args.d_model, "n_layer": args.n_layer,
             "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed, "corpus": args.corpus, "lr": args.lr,
-            "schedule_steps": args.schedule_steps, "min_lr_ratio": args.min_lr_ratio, "options": args.option,
+            "schedule_steps": args.schedule_steps, "min_lr_ratio": args.min_lr_ratio, "weight_decay": args.weight_decay,
+            "options": args.option,
             "corpus_digest": _corpus_digest(args),
             "bandwidths": [float(b) for b in args.bandwidths.split(",")], "latency_ms": args.latency_ms,
             "wall_s": time.perf_counter() - start,

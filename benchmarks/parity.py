@@ -2,6 +2,7 @@
 method at its best rate on the other corpora, model sizes, seeds and world sizes.
 
     .venv/bin/python benchmarks/parity.py sweep                      # tuning corpus (stdlib), small GPT, 2 workers
+    .venv/bin/python benchmarks/parity.py sweep --seeds 1,2 --lrs 1e-3,2e-3  # more seeds: each rate's mean decides
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp    # at each method's best rate from the sweep
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp --sizes small,medium --seeds 0,1,2 --world-sizes 2,4
     .venv/bin/python benchmarks/parity.py render                     # tables from what has run so far

@@ -192,14 +192,18 @@ def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() ->
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         compare.with_options(base, ["topk"])
     args = compare.parse_args(["--methods", "ddp,demo-sign1bit", "--world-sizes", "2", "--steps", "160",
-                               "--schedule-steps", "520", "--option", "topk=256", "--option", "decay=0.999"])
+                               "--schedule-steps", "520", "--option", "topk=256", "--option", "decay=0.999",
+                               "--weight-decay", "0.1"])
     shared = args.shared
+    assert shared[shared.index("--weight-decay") + 1] == "0.1"  # every worker builds its model with it
     assert shared[shared.index("--schedule-steps") + 1] == "520" and shared[shared.index("--steps") + 1] == "160"
     assert [shared[i + 1] for i, a in enumerate(shared) if a == "--option"] == ["topk=256", "decay=0.999"]
     with pytest.raises(SystemExit):  # a schedule shorter than the run
         compare.parse_args(["--steps", "160", "--schedule-steps", "100"])
     with pytest.raises(SystemExit):
         compare.parse_args(["--methods", "demo-sign1bit", "--option", "=3"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--weight-decay", "-0.1"])
 
 
 def test_readme_results_are_the_rendering_of_the_committed_json() -> None:
