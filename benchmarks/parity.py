@@ -30,10 +30,10 @@ The sweep: every method at each of ``--lrs`` (the same grid for all, warm-up 20 
 compare.py) on the tuning corpus, at each of ``--seeds``; the best rate of a method is the one with
 the lowest final validation loss there, the mean over the seeds (a rate run at fewer of the method's
 seeds than the others is listed but not chosen). A sweep adds its cells to those of an earlier one in
-the same folder (same corpus, size, world size and length), so seeds and rates can be added later. ``render`` writes ``<out>/sweep.md`` (the sweep, every rate) and
-``<out>/latest.md``: per corpus, size and world size, each method's validation loss over the
-seeds (mean and min-max), its ratio to DDP's at the same seed (mean and min-max), its bytes ratio
-to DDP, and the geometric mean of the loss ratio over every cell, with the issue's targets
+the same folder (same corpus, size, world size and length), so seeds and rates can be added later.
+``render`` writes ``<out>/sweep.md`` (the sweep, every rate) and ``<out>/latest.md``: per corpus,
+size and world size, each method's validation loss over the seeds (mean and min-max), its ratio to
+DDP's at the same seed (mean and min-max), its bytes ratio to DDP, and the geometric mean of the loss ratio over every cell, with the issue's targets
 (``demo-default`` <= 1.05x at >= 100x fewer bytes, ``desloc`` <= 1.05x at >= 170x): "met" when
 every seed's ratio is within the limit, "met on the mean" when only the mean is, else "missed". A
 ratio whose min-max spans 1.0 is no difference from DDP. Cells at other rates than a method's
