@@ -963,7 +963,7 @@ def main(argv: list[str] | None = None) -> None:
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), torch gloo on loopback",
             "steps": args.steps, "n_trainable": records[0]["n_trainable"], "d_model": args.d_model, "n_layer": args.n_layer,
             "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed, "corpus": args.corpus, "lr": args.lr,
-            "schedule_steps": args.schedule_steps, "min_lr_ratio": args.min_lr_ratio, "weight_decay": args.weight_decay,
+            "warmup_steps": args.warmup_steps, "schedule_steps": args.schedule_steps, "min_lr_ratio": args.min_lr_ratio, "weight_decay": args.weight_decay,
             "options": args.option,
             "corpus_digest": _corpus_digest(args),
             "bandwidths": [float(b) for b in args.bandwidths.split(",")], "latency_ms": args.latency_ms,

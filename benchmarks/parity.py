@@ -5,6 +5,7 @@ method at its best rate on the other corpora, model sizes, seeds and world sizes
     .venv/bin/python benchmarks/parity.py sweep --seeds 1,2 --lrs 1e-3,2e-3  # more seeds: each rate's mean decides
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp    # at each method's best rate from the sweep
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp --sizes small,medium --seeds 0,1,2 --world-sizes 2,4
+    .venv/bin/python benchmarks/parity.py sweep --warmup-steps 80 --out benchmarks/results/parity/warmup80  # another warm-up
     .venv/bin/python benchmarks/parity.py render                     # tables from what has run so far
     .venv/bin/python benchmarks/parity.py render --rates ddp=0.002,demo-default=0.002 --table at-2e-3.md  # at other rates
     .venv/bin/python benchmarks/parity.py corpora                    # the corpora's sizes and digests here
@@ -27,7 +28,8 @@ on scikit-learn's digits at 32x32, 32 images per worker per step); its one size 
 whatever ``--sizes`` says.
 
 The sweep: every method at each of ``--lrs`` (the same grid for all, warm-up 20 steps as in
-compare.py) on the tuning corpus, at each of ``--seeds``; the best rate of a method is the one with
+compare.py unless ``--warmup-steps`` says otherwise: one warm-up per ``--out`` folder, checked
+against each stored cell's) on the tuning corpus, at each of ``--seeds``; the best rate of a method is the one with
 the lowest final validation loss there, the mean over the seeds (a rate run at fewer of the method's
 seeds than the others is listed but not chosen). A sweep adds its cells to those of an earlier one in
 the same folder (same corpus, size, world size and length), so seeds and rates can be added later.
@@ -45,9 +47,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
-from collections import Counter
 import subprocess
+from collections import Counter
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,7 @@ DIGITS, DIGITS_SIZE, DIGITS_BATCH = "digits", "resnet10t", 32  # the vision task
 DEFAULT = "demo-default"  # compare.py's row for strategy="demo" with its defaults at this revision
 METHODS = ("ddp", DEFAULT, "desloc")
 TARGETS = {DEFAULT: (1.05, 100.0), "desloc": (1.05, 170.0)}
+DEFAULT_WARMUP = 20  # compare.py's --warmup-steps
 
 
 def cell_name(corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int = 520,
@@ -93,20 +97,38 @@ def _in_repo(path: Path) -> str:
     return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(resolved)
 
 
+def stored_warmup(meta: dict[str, Any]) -> int:
+    """The warm-up a stored cell ran with: its record's, or for a cell written before compare.py recorded
+    it, the ``--warmup-steps`` of its command (compare.py's default, 20, when the command names none)."""
+    if meta.get("warmup_steps") is not None:
+        return int(meta["warmup_steps"])
+    found = re.search(r"--warmup-steps[ =](\d+)", meta.get("command", ""))
+    return int(found.group(1)) if found else DEFAULT_WARMUP
+
+
 def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int,
-             options: tuple[str, ...] = ()) -> dict[str, Any]:
+             options: tuple[str, ...] = (), warmup: int = DEFAULT_WARMUP) -> dict[str, Any]:
     """One compare.py run (or its stored result); ``options`` are compare.py's ``--option`` settings
-    (DDP takes none: its cell is the same with or without them)."""
+    (DDP takes none: its cell is the same with or without them); ``warmup`` the learning-rate warm-up's
+    steps, passed on only when it is not compare.py's default, so the stored commands of earlier cells
+    stay what they were. A folder holds one warm-up: a stored cell made with another is an error, not a
+    result (the cell's name does not carry it; give such runs their own ``--out``)."""
     options = () if method == "ddp" else tuple(options)
     folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps, options)
     done = folder / "latest.json"
-    if not done.exists():
+    if done.exists():
+        ran = stored_warmup(json.loads(done.read_text())["meta"])
+        if ran != warmup:
+            raise SystemExit(f"{folder} ran with --warmup-steps {ran}, not {warmup}: give runs at another warm-up "
+                             f"their own --out folder")
+    else:
         model = ["--batch-size", str(DIGITS_BATCH)] if corpus == DIGITS else ["--d-model", str(SIZES[size][0]), "--n-layer", str(SIZES[size][1])]
         # paths relative to the repository (the command runs there): the cell's record names a command anyone can rerun
         cmd = [sys.executable, "benchmarks/compare.py", "--methods", method, "--world-sizes", str(world),
                "--corpus", corpus, "--seed", str(seed), *model, "--lr", f"{lr:g}",
                "--steps", str(steps), "--val-every", str(steps), "--out", _in_repo(folder), "--workdir", "runs/parity",
-               "--no-plots", *(x for o in options for x in ("--option", o))]
+               "--no-plots", *(x for o in options for x in ("--option", o)),
+               *(("--warmup-steps", str(warmup)) if warmup != DEFAULT_WARMUP else ())]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
     record = json.loads(done.read_text())["records"][0]
@@ -152,7 +174,7 @@ def sweep(args: argparse.Namespace) -> None:
     same corpus, size, world size and length (a later sweep can add seeds or rates without re-running)."""
     out = Path(args.out)
     seeds = [int(x) for x in args.seeds.split(",")]
-    cells = [run_cell(out, args.corpus, args.size, seed, args.world, m, lr, args.steps)
+    cells = [run_cell(out, args.corpus, args.size, seed, args.world, m, lr, args.steps, warmup=args.warmup_steps)
              for m in args.methods.split(",") for lr in (float(x) for x in args.lrs.split(",")) for seed in seeds]
     setting = {"corpus": args.corpus, "size": args.size, "world": args.world, "steps": args.steps}
     path = out / "sweep.json"
@@ -186,7 +208,8 @@ def run(args: argparse.Namespace) -> None:
             for world in (int(w) for w in args.world_sizes.split(",")):
                 for seed in (int(s) for s in args.seeds.split(",")):
                     for m in methods:
-                        run_cell(out, corpus, size, seed, world, m, rates[m], args.steps, tuple(args.option or ()))
+                        run_cell(out, corpus, size, seed, world, m, rates[m], args.steps, tuple(args.option or ()),
+                                 args.warmup_steps)
     render(args)
 
 
@@ -429,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--window", type=int, default=40)
     for q in (s, r):
         q.add_argument("--steps", type=int, default=520)
+        q.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP,
+                       help="every run's learning-rate warm-up (compare.py's --warmup-steps); one per --out folder")
     for q in (s, r, d):
         q.add_argument("--out", default=str(OUT), help="results folder")
     args = p.parse_args(argv)

@@ -279,3 +279,34 @@ def test_byte_entropies_against_hand_counts() -> None:
     assert parity.byte_entropies(b"aab") == pytest.approx((uni, math.log(2)))
     with pytest.raises(ValueError):
         parity.byte_entropies(b"a")
+
+
+def test_a_warm_up_is_passed_on_and_a_folder_holds_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--warmup-steps`` reaches compare.py only when it is not its default (earlier cells' commands stay
+    as they were); a stored cell made at another warm-up stops the run instead of standing in for it."""
+    launched: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: object) -> None:
+        launched.append(cmd)
+        folder = Path(cmd[cmd.index("--out") + 1])
+        folder.mkdir(parents=True)
+        warmup = int(cmd[cmd.index("--warmup-steps") + 1]) if "--warmup-steps" in cmd else None
+        meta = {"command": " ".join(cmd[1:]), "corpus": "stdlib", "seed": 0, "lr": 1e-3, "d_model": 128, "n_layer": 2,
+                "steps": 10, **({"warmup_steps": warmup} if warmup is not None else {})}
+        record = {"method": "ddp", "world_size": 2, "final_val_loss": 2.0, "bytes_sent_per_step": 1.0, "ratio_vs_ddp": 1.0,
+                  "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1.0, "n_trainable": 1}
+        (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+
+    monkeypatch.setattr(parity.subprocess, "run", fake_run)
+    sweep = ["sweep", "--methods", "ddp", "--lrs", "1e-3", "--steps", "10"]
+    parity.main([*sweep, "--out", str(tmp_path / "w20")])
+    parity.main([*sweep, "--warmup-steps", "80", "--out", str(tmp_path / "w80")])
+    assert "--warmup-steps" not in launched[0]
+    assert launched[1][launched[1].index("--warmup-steps") + 1] == "80"
+    parity.main([*sweep, "--warmup-steps", "80", "--out", str(tmp_path / "w80")])  # stored at 80: reused
+    assert len(launched) == 2
+    with pytest.raises(SystemExit, match="ran with --warmup-steps 20, not 80"):
+        parity.main([*sweep, "--warmup-steps", "80", "--out", str(tmp_path / "w20")])
+    # a cell stored before compare.py recorded the warm-up: read from its command
+    assert parity.stored_warmup({"command": "python benchmarks/compare.py --warmup-steps 160 --seed 0"}) == 160
+    assert parity.stored_warmup({"command": "python benchmarks/compare.py --seed 0"}) == 20
