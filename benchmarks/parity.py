@@ -50,8 +50,8 @@ import math
 import re
 import statistics
 import subprocess
-from collections import Counter
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
