@@ -39,7 +39,8 @@ compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps kee
 against ``desloc-fixed-equal`` / ``-equal-ratio`` (fixed periods at its bytes: 16 / 32 / 128, and 1 : 3 : 6 at K_x 15),
 ``ddp-signum-b0.9`` / ``-b0.99`` (DDP's exact mean gradient with ``Signum``: DeMo's sign rule without
 the codec, at DeMo's rate), ``demo-adamw`` (``strategy="demo"``'s defaults with ``update="raw"``: the decoded mean is AdamW's gradient
-instead of ``SGD``'s sign; same bytes as ``demo-default``), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
+instead of ``SGD``'s sign; same bytes as ``demo-default``) and ``demo-adamw-b0`` (the same with AdamW's first beta at 0:
+RMSprop on the decoded mean, whose residual is its momentum already), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
 ``transform="identity"``: no transform, chunked top-k of the momentum itself; same bytes as ``demo``),
 ``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
 bytes per worker at 2 / 4 / 8 workers) and ``demo-shared-k48`` (the largest top-k with 100x fewer
@@ -315,6 +316,12 @@ METHODS["demo-default"] = Method(
 METHODS["demo-adamw"] = Method(
     "DeMo, strategy=\"demo\"'s defaults but update=\"raw\": the decoded mean as AdamW's gradient (no sign), AdamW",
     "demo", "adamw", ADAMW_LR, {"update": "raw"},
+)
+# issue 18, the 4-worker gap: Adam's per-coordinate scale instead of the sign, on the decoded mean. beta1 0: DeMo's
+# residual is the momentum already (demo-adamw runs a second one, 0.9, on top of it)
+METHODS["demo-adamw-b0"] = Method(
+    "DeMo, strategy=\"demo\"'s defaults but update=\"raw\", AdamW with beta1 0 (RMSprop on the decoded mean)",
+    "demo", "adamw", ADAMW_LR, {"update": "raw"}, momentum=0.0,
 )
 # issue 18, DeMo's sign rule without the codec: DDP all-reduces the exact mean gradient and Signum steps
 # lr * sign(momentum) (arXiv 1802.04434), at DeMo's rate; beta 0.9 is the paper's, 0.99 DeMo's decay

@@ -54,3 +54,19 @@ def test_a_model_saved_before_the_ratio_existed_keeps_the_ten_percent() -> None:
         opt.step()
         scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.02, rel=1e-12)
+
+
+def test_adamw_takes_momentum_as_its_first_beta() -> None:
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    default = optimizer_with_schedule([p], "adamw", lr=0.1, weight_decay=0.0, momentum=None, warmup_steps=1, max_steps=10)
+    assert default["optimizer"].param_groups[0]["betas"] == (0.9, 0.999)
+    opt = optimizer_with_schedule([p], "adamw", lr=0.1, weight_decay=0.0, momentum=0.0, warmup_steps=1, max_steps=10)["optimizer"]
+    g1, g2 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), torch.tensor([3.0, 1.0, -0.5], dtype=torch.float64)
+    p.grad = g1.clone()
+    opt.step()  # beta1 0: no first moment, the step is g over the root of Adam's bias-corrected second moment
+    assert torch.allclose(p.detach(), -0.1 * g1 / (g1.abs() + 1e-8), rtol=1e-12, atol=0)
+    before = p.detach().clone()
+    p.grad = g2.clone()
+    opt.step()
+    v_hat = (0.999 * 0.001 * g1**2 + 0.001 * g2**2) / (1 - 0.999**2)
+    assert torch.allclose(p.detach() - before, -0.1 * g2 / (v_hat.sqrt() + 1e-8), rtol=1e-10, atol=0)

@@ -97,7 +97,7 @@ class GPTLightningModule(pl.LightningModule):
         lr: peak learning rate.
         weight_decay: decoupled weight decay (SGD's coupled decay equals it under a sign update).
         momentum: SGD's momentum (``None``: 0, for DeMo's sign update, which brings its own momentum) or
-            Signum's beta (``None``: 0.9); ignored by the other optimizers.
+            Signum's beta (``None``: 0.9) or AdamW's first beta (``None``: 0.9); ignored by ``"decoupled"``.
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio`` of ``lr`` at ``max_steps``.
         max_steps: length of the cosine schedule (the Trainer's ``max_steps``).
         min_lr_ratio: the rate at ``max_steps`` over ``lr``, in [0, 1].

@@ -35,7 +35,9 @@ def optimizer_with_schedule(
     ``"adamw"``, ``"decoupled"`` (:class:`demo_lightning.optim.DecoupledMomentum`, beta 0.9, lambda 0.1,
     which a :class:`~demo_lightning.callbacks.LayerPolicy` can set per layer), or ``"signum"``
     (:class:`demo_lightning.optim.Signum`, its beta ``momentum``, 0.9 when ``None``: the sign rule on
-    the exact gradient, DeMo's reference under DDP). ``adamw`` and ``decoupled`` ignore ``momentum``.
+    the exact gradient, DeMo's reference under DDP). ``adamw`` takes ``momentum`` as its first beta (0.9 when
+    ``None``; 0 with ``DeMoStrategy(update="raw")`` makes it RMSprop on the decoded mean, whose residual is
+    already a momentum); ``decoupled`` ignores it.
     """
     check_number("min_lr_ratio", min_lr_ratio, 0.0, 1.0, hint="the final rate over the peak: 0.1 decays to 10 %")
     if optimizer == "sgd":
@@ -43,7 +45,8 @@ def optimizer_with_schedule(
             parameters, lr=lr, weight_decay=weight_decay, momentum=0.0 if momentum is None else momentum
         )
     elif optimizer == "adamw":
-        opt = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+        beta1 = 0.9 if momentum is None else momentum
+        opt = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, betas=(beta1, 0.999))
     elif optimizer == "decoupled":
         from demo_lightning.optim import DecoupledMomentum
 

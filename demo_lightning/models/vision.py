@@ -27,7 +27,8 @@ class ImageClassifier(pl.LightningModule):
         optimizer: ``"sgd"`` (pair with DeMo's sign update), ``"adamw"``, ``"decoupled"`` or ``"signum"``.
         lr: peak learning rate.
         weight_decay: decoupled weight decay.
-        momentum: SGD's momentum (``None``: 0) or Signum's beta (``None``: 0.9); ignored by the others.
+        momentum: SGD's momentum (``None``: 0), Signum's beta (``None``: 0.9) or AdamW's first beta
+            (``None``: 0.9); ignored by ``"decoupled"``.
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio`` of ``lr`` at ``max_steps``.
         max_steps: length of the schedule (the Trainer's ``max_steps``).
         min_lr_ratio: the rate at ``max_steps`` over ``lr``, in [0, 1].
