@@ -37,10 +37,11 @@ compressed parameter syncs), ``desloc-compressed-k64`` (syncs every 64 steps kee
 ``desloc-1bit-k32`` / ``-k64`` / ``-k128`` (every coefficient of the change at one bit, no positions),
 ``desloc-adaptive`` (``desloc-k16``'s periods adapted by ``AdaptiveSyncPeriods`` to the replicas' divergence)
 against ``desloc-fixed-equal`` / ``-equal-ratio`` (fixed periods at its bytes: 16 / 32 / 128, and 1 : 3 : 6 at K_x 15),
-``ddp-signum-b0.9`` / ``-b0.99`` (DDP's exact mean gradient with ``Signum``: DeMo's sign rule without
-the codec, at DeMo's rate), ``demo-adamw`` (``strategy="demo"``'s defaults with ``update="raw"``: the decoded mean is AdamW's gradient
+``ddp-signum-b0.9`` / ``-b0.99`` / ``-b0`` (DDP's exact mean gradient with ``Signum``: DeMo's sign rule without
+the codec, at DeMo's rate; beta 0 is signSGD, DeMo's limit when every coefficient is sent exactly), ``demo-adamw`` (``strategy="demo"``'s defaults with ``update="raw"``: the decoded mean is AdamW's gradient
 instead of ``SGD``'s sign; same bytes as ``demo-default``) and ``demo-adamw-b0`` (the same with AdamW's first beta at 0:
-RMSprop on the decoded mean, whose residual is its momentum already), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
+RMSprop on the decoded mean, whose residual is its momentum already), ``demo-signum-b0.9`` (the same with ``Signum``, beta 0.9:
+a momentum over the decoded mean before the sign), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
 ``transform="identity"``: no transform, chunked top-k of the momentum itself; same bytes as ``demo``),
 ``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
 bytes per worker at 2 / 4 / 8 workers) and ``demo-shared-k48`` (the largest top-k with 100x fewer
@@ -324,12 +325,19 @@ METHODS["demo-adamw-b0"] = Method(
     "demo", "adamw", ADAMW_LR, {"update": "raw"}, momentum=0.0,
 )
 # issue 18, DeMo's sign rule without the codec: DDP all-reduces the exact mean gradient and Signum steps
-# lr * sign(momentum) (arXiv 1802.04434), at DeMo's rate; beta 0.9 is the paper's, 0.99 DeMo's decay
-for _beta in (0.9, 0.99):
+# lr * sign(momentum) (arXiv 1802.04434), at DeMo's rate; beta 0.9 is the paper's, 0.99 DeMo's decay, 0 signSGD: what
+# DeMo becomes when it sends every coefficient exactly (its residual, the only momentum it has, then empties every step)
+for _beta in (0.0, 0.9, 0.99):
     METHODS[f"ddp-signum-b{_beta:g}"] = Method(
         f"Lightning DDP, Signum beta {_beta:g} (sign of the exact gradient's momentum: DeMo's rule without the codec)",
         "ddp", "signum", DEMO_LR, momentum=_beta,
     )
+# issue 18, the 4-worker gap to Signum: DeMo's exchange, then Signum's momentum (beta 0.9) on the decoded mean before
+# the sign (update="raw"): whether what DeMo lacks against Signum is a momentum over the components it sends
+METHODS["demo-signum-b0.9"] = Method(
+    "DeMo, strategy=\"demo\"'s defaults but update=\"raw\", Signum beta 0.9 on the decoded mean (a momentum over what is sent)",
+    "demo", "signum", DEMO_LR, {"update": "raw"}, momentum=0.9,
+)
 
 
 # ---------------------------------------------------------------------------------------------- worker
