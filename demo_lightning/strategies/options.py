@@ -131,6 +131,10 @@ class DeMoOptions(_Options):
             Chosen on issue 18's matrix: without it the 1.8 M and 6.4 M GPTs stalled at the unigram
             entropy at some seeds. The count is checkpointed.
         early_topk_factor: the early phase's multiple of the default k (an integer >= 1; 1: off).
+        retain_sent: the share ``rho`` in [0, 1) of each sent component that stays in the sender's
+            momentum (error feedback takes out ``(1 - rho)`` of it), so the components sent every step
+            keep a momentum of their own; ``0`` (the default) is DeMo's error feedback. An issue 18
+            ablation: at 4 workers it trained worse the larger ``rho`` (README).
         dense_below: tensors with fewer elements skip the codec and are all-reduced whole (0: compress
             all but the 1-D tensors under ``dense_vectors``).
         dense_vectors: 1-D tensors (norms, biases) skip the codec whatever their size (``False``: only
@@ -181,6 +185,7 @@ class DeMoOptions(_Options):
         compensation: float = 0.0,
         early_steps: int = 40,
         early_topk_factor: int = 4,
+        retain_sent: float = 0.0,
         dense_below: int = 1024,
         dense_vectors: bool = True,
         dense_format: DenseFormat = "bf16",
@@ -201,8 +206,8 @@ class DeMoOptions(_Options):
         demo = DeMoConfig.of(
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection, transform=transform,
             value_format=value_format, fp16_share=fp16_share, position_group_size=position_group_size, update=update,
-            compensation=compensation, early_steps=early_steps, early_topk_factor=early_topk_factor, dense_below=dense_below,
-            dense_vectors=dense_vectors, dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
+            compensation=compensation, early_steps=early_steps, early_topk_factor=early_topk_factor, retain_sent=retain_sent,
+            dense_below=dense_below, dense_vectors=dense_vectors, dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
             param_sync_every=param_sync_every,
