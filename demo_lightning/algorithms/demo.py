@@ -808,8 +808,10 @@ class DeMoExchange:
                 total = wire.to(flat.dtype).div_(world)
                 for item in group:
                     self._write_update(params[item.position], total[item.span].view(item.shape))
-                if residual is None:
-                    flat.mul_(keep_sent)  # everything was sent (zero unless retain_sent keeps a share of it)
+                if residual is None and keep_sent == 0:
+                    flat.zero_()  # everything was sent (zero_, not mul_(0): no -0.0 that differs between ranks)
+                elif residual is None:
+                    flat.mul_(keep_sent)  # retain_sent keeps rho of what was sent
                 elif keep_sent == 0:
                     flat.copy_(residual)  # what the wire format rounded away
                 else:
