@@ -802,7 +802,7 @@ class DeMoExchange:
             for bucket, waiting in zip(plan.buckets, pending):
                 for run, sent in zip(bucket, waiting.sent):
                     chosen = selected[run.family.key]
-                    residual = chosen.values[run.rows] - sent if keep_sent == 0 else chosen.values[run.rows] - (1.0 - keep_sent) * sent
+                    residual = torch.sub(chosen.values[run.rows], sent, alpha=1.0 - keep_sent)
                     momentum.storage[run.family.key].index_copy_(0, chosen.offsets[run.rows].reshape(-1), residual.reshape(-1))
             for group, flat, wire, residual in dense_totals:
                 total = wire.to(flat.dtype).div_(world)
