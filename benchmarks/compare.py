@@ -41,7 +41,8 @@ against ``desloc-fixed-equal`` / ``-equal-ratio`` (fixed periods at its bytes: 1
 the codec, at DeMo's rate; beta 0 is signSGD, DeMo's limit when every coefficient is sent exactly), ``demo-adamw`` (``strategy="demo"``'s defaults with ``update="raw"``: the decoded mean is AdamW's gradient
 instead of ``SGD``'s sign; same bytes as ``demo-default``) and ``demo-adamw-b0`` (the same with AdamW's first beta at 0:
 RMSprop on the decoded mean, whose residual is its momentum already), ``demo-signum-b0.9`` (the same with ``Signum``, beta 0.9:
-a momentum over the decoded mean before the sign), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
+a momentum over the decoded mean before the sign), ``demo-sign-signum-b0.9`` (the default's per-step sign, then ``Signum``'s
+momentum over those signs), ``demo-haar`` / ``demo-identity`` (``demo`` with ``transform="haar"``: Haar wavelet tiles, or
 ``transform="identity"``: no transform, chunked top-k of the momentum itself; same bytes as ``demo``),
 ``demo-shared-k39`` / ``-k78`` / ``-k157`` (``selection="shared"``, bf16 values, at ``demo-sign1bit``'s
 bytes per worker at 2 / 4 / 8 workers) and ``demo-shared-k48`` (the largest top-k with 100x fewer
@@ -337,6 +338,13 @@ for _beta in (0.0, 0.9, 0.99):
 METHODS["demo-signum-b0.9"] = Method(
     "DeMo, strategy=\"demo\"'s defaults but update=\"raw\", Signum beta 0.9 on the decoded mean (a momentum over what is sent)",
     "demo", "signum", DEMO_LR, {"update": "raw"}, momentum=0.9,
+)
+# issue 18, whether demo-signum-b0.9 stalls because of bursts in the raw decoded mean (a component left unsent builds up
+# in the residual and leaves at once): a momentum over each step's sign (update="sign", then Signum) weighs every step
+# alike. It stalled as well (README, the screens): the momentum in series with the residual, not the bursts
+METHODS["demo-sign-signum-b0.9"] = Method(
+    "DeMo, strategy=\"demo\"'s defaults (update=\"sign\"), Signum beta 0.9 over the per-step signs",
+    "demo", "signum", DEMO_LR, momentum=0.9,
 )
 
 
