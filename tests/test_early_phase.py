@@ -1,6 +1,7 @@
 """The exchange's early phase (issue 18): while fewer than ``early_steps`` exchanges have run, an
-exchange whose k is the default keeps ``early_topk_factor`` times it; explicit strengths keep theirs;
-the count is checkpointed, so a resume continues inside or after the phase; every rank agrees."""
+exchange keeps ``early_topk_factor`` times its k; left unset, the phase is 40 exchanges for the
+default k and none for an explicit strength; set, it applies to any k; per-tensor strengths keep
+theirs; the count is checkpointed, so a resume continues inside or after the phase; every rank agrees."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_defaults_are_four_times_the_default_k_for_40_exchanges() -> None:
     config = DeMoConfig()
-    assert (config.early_steps, config.early_topk_factor, config.has_early_phase) == (40, 4, True)
+    assert (config.early_steps, config.early_exchanges, config.early_topk_factor, config.has_early_phase) == (None, 40, 4, True)
+    assert DeMoConfig.of(early_steps=7).early_exchanges == 7 and DeMoConfig.of(early_topk_factor=1).early_exchanges == 0
     assert CodecConfig().for_workers(2, 4).topk == 256 and CodecConfig().for_workers(4, 4).topk == 128
     assert CodecConfig(selection="shared", value_format="bf16").for_workers(8, 4).topk == 256  # all-reduced: 4 x 64
 
@@ -36,6 +38,76 @@ def test_an_explicit_strength_or_a_switched_off_phase_has_none(settings: dict[st
     model.weight.grad = torch.randn(128, 64)
     ex.step()
     assert not ex.in_early_phase and ex.k_of(model.weight) == k and ex.stats.coefficients == 2 * k
+
+
+@pytest.mark.parametrize(("settings", "early", "steady"), [({}, 256, 64), ({"early_steps": 2}, 256, 64), ({"topk": 64}, 64, 64)])
+def test_the_exchange_keeps_the_phase_it_was_given(settings: dict[str, Any], early: int, steady: int) -> None:
+    """At 1 worker the default k is 64: the unset phase (40 exchanges) survives the k's resolution."""
+    model = nn.Linear(64, 128, bias=False)
+    ex = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), DeMoConfig.of(**settings), Communicator())
+    assert ex.config.early_steps == DeMoConfig.of(**settings).early_exchanges
+    ks = []
+    for _ in range(3):
+        ks.append(ex.k_of(model.weight))
+        model.weight.grad = torch.randn(128, 64)
+        ex.step()
+    assert ks == ([early] * 3 if not settings else [early, early, steady])
+    assert ex.k_of(model.weight, steady=True) == steady
+
+
+def test_the_strategy_passes_early_steps_through() -> None:
+    from demo_lightning import DeMoStrategy
+
+    assert DeMoStrategy().demo_config.early_exchanges == 40
+    assert DeMoStrategy(topk=64).demo_config.early_exchanges == 0
+    assert DeMoStrategy(topk=64, early_steps=40).demo_config.early_exchanges == 40
+
+
+@pytest.mark.parametrize(("settings", "early", "steady"), [
+    ({"topk": 16, "early_steps": 2}, 64, 16),
+    ({"topk": 2000, "early_steps": 2}, 4096, 2000),  # 8,000 is past the 64 x 64 tile: the whole tile
+    ({"keep_ratio": 0.01, "early_steps": 2, "early_topk_factor": 3}, 123, 41),  # ceil(0.03 * 4096), ceil(0.01 * 4096)
+    ({"keep_ratio": 0.3, "early_steps": 2}, 4096, 1229),  # 1.2 capped at 1
+])
+def test_an_explicit_strength_with_early_steps_given_has_the_phase(settings: dict[str, Any], early: int, steady: int) -> None:
+    config = DeMoConfig.of(**settings)
+    assert config.has_early_phase and config.early_exchanges == 2
+    model = nn.Linear(64, 128, bias=False)  # two 64 x 64 tiles
+    ex = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), config, Communicator())
+    ks, sent = [], []
+    for _ in range(3):
+        ks.append(ex.k_of(model.weight))
+        model.weight.grad = torch.randn(128, 64)
+        ex.step()
+        sent.append(ex.stats.coefficients)
+    assert ks == [early, early, steady] and sent == [2 * early, 2 * early, 2 * steady]
+    assert ex.k_of(model.weight, steady=True) == steady
+
+
+def test_an_explicit_k_in_the_phase_equals_the_larger_k_set_by_hand() -> None:
+    """Oracle: ``topk=16, early_steps=2`` against k 64 given per tensor for 2 steps, then 16."""
+    torch.manual_seed(0)
+    model = nn.Linear(128, 64, bias=False)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    twin = nn.Linear(128, 64, bias=False)
+    twin.load_state_dict(start)
+    early = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), DeMoConfig.of(topk=16, early_steps=2, update="raw"),
+                         Communicator())
+    by_hand = DeMoExchange(torch.optim.SGD(twin.parameters(), lr=0.1), DeMoConfig.of(topk=16, update="raw"), Communicator())
+
+    def set_k(step: int) -> None:
+        by_hand.set_tensor_settings(twin.weight, TensorSettings(topk=64) if step < 2 else None)
+
+    got = _train(early, model, 5, seed=4)
+    want = _train(by_hand, twin, 5, seed=4, before_step=set_k)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(early.momentum(model.weight), by_hand.momentum(twin.weight))
+    # a control: the same explicit k without early_steps sends 16 from the first step, so its first update differs
+    plain = nn.Linear(128, 64, bias=False)
+    plain.load_state_dict(start)
+    control = _train(DeMoExchange(torch.optim.SGD(plain.parameters(), lr=0.1), DeMoConfig.of(topk=16, update="raw"),
+                                  Communicator()), plain, 1, seed=4)
+    assert not torch.equal(control[0], got[0])
 
 
 @pytest.mark.parametrize(("settings", "message"), [

@@ -3,6 +3,7 @@
 from demo_lightning.algorithms.compressed_mean import CompressedMean
 from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec, compute_dtype
 from demo_lightning.algorithms.demo import (
+    DEFAULT_EARLY_STEPS,
     DEMO_STATE_KEY,
     UPDATES,
     DeMoConfig,
@@ -16,6 +17,7 @@ from demo_lightning.algorithms.guard import NonFiniteFlags, agree_nonfinite, gat
 from demo_lightning.algorithms.momentum import MOMENTUM_STATE_VERSION, SpectralMomentum
 
 __all__ = [
+    "DEFAULT_EARLY_STEPS",
     "DEFAULT_TOPK",
     "DEMO_STATE_KEY",
     "MOMENTUM_STATE_VERSION",

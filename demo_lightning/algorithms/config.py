@@ -185,15 +185,21 @@ class CodecConfig:
         return self.topk is None and self.keep_ratio is None
 
     def for_workers(self, workers: int, topk_factor: int = 1) -> "CodecConfig":
-        """These settings for an exchange over ``workers`` DeMo workers: with neither ``topk`` nor
-        ``keep_ratio`` given, ``topk`` set to ``topk_factor`` times the default k, :func:`default_topk`
+        """These settings for an exchange over ``workers`` DeMo workers, keeping ``topk_factor``
+        times their k (the exchange's early phase passes its factor, see
+        :class:`~demo_lightning.algorithms.DeMoConfig`): with neither ``topk`` nor ``keep_ratio``
+        given, ``topk`` set to ``topk_factor`` times the default k, :func:`default_topk`
         ``(workers)`` when the values are all-gathered (:attr:`all_reduces` false), else
-        :data:`DEFAULT_TOPK` (the exchange's early phase passes its factor, see
-        :class:`~demo_lightning.algorithms.DeMoConfig`); given a strength, ``self``. Every rank of an
+        :data:`DEFAULT_TOPK`; given a strength, that strength times ``topk_factor`` (a
+        ``keep_ratio`` capped at 1; a ``topk`` past the tile keeps the whole tile). Every rank of an
         exchange resolves the same k (they agree on ``workers``)."""
         check_int("topk_factor", topk_factor, 1, "times the default k")
         if not self.default_strength:
-            return self
+            if topk_factor == 1:
+                return self
+            if self.topk is not None:
+                return replace(self, topk=topk_factor * self.topk)
+            return replace(self, keep_ratio=min(1.0, topk_factor * float(self.keep_ratio)))
         if self.all_reduces:
             return self if topk_factor == 1 else replace(self, topk=topk_factor * DEFAULT_TOPK)
         return replace(self, topk=topk_factor * default_topk(workers))

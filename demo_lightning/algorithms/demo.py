@@ -130,11 +130,13 @@ from demo_lightning.profiling import DEMO, DEMO_EXCHANGE, DEMO_NODE, stage_range
 from demo_lightning.validation import check_choice, check_int, check_number
 
 __all__ = [
-    "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorEnergy",
+    "DEFAULT_EARLY_STEPS", "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorEnergy",
     "TensorSettings", "Update", "warn_if_stateful",
 ]
 
 DEMO_STATE_KEY = "demo_momentum"
+DEFAULT_EARLY_STEPS = 40
+"""Exchanges in the early phase when neither ``topk`` nor ``keep_ratio`` is given (issue 18)."""
 """The name of the DeMo momentum among the states DES-LOC averages (``state_sync_every``), and the
 optimizer-state key where checkpoints of layout version 1 kept it."""
 Update = Literal["sign", "raw", "normalized"]
@@ -153,14 +155,15 @@ class DeMoConfig:
     (:func:`~demo_lightning.algorithms.config.default_topk`), so its bytes per worker do not grow
     with ``W`` up to 16, after an early phase of ``early_topk_factor`` (4) times that for the first
     ``early_steps`` (40) exchanges; the codec sends the tensors under ``dense_below`` (1,024 elements)
-    and the 1-D ones in bf16. Across
+    and the 1-D ones in bf16 (an explicit ``topk`` or ``keep_ratio`` has no early phase unless
+    ``early_steps`` is given). Across
     held-out corpora, sizes and seeds (issue 18, ``benchmarks/parity.py``) these defaults ended
     within 1.05x of DDP's validation loss at 103-111x fewer bytes on the 0.44 M and 1.8 M GPTs at 2
     and 4 workers (the 1.8 M GPT on prose on the mean of three seeds: 1.02x, worst 1.10x), at
     1.04x (C/C++) and 1.07x (prose) on the 6.4 M GPT (115x, three seeds each), and at DDP's
     validation accuracy on a ResNet-10t (101x).
     The paper's settings are
-    ``DeMoConfig(CodecConfig(topk=32, value_format="fp32"), decay=0.999)`` (an explicit k has no early phase).
+    ``DeMoConfig(CodecConfig(topk=32, value_format="fp32"), decay=0.999)``.
 
     Args:
         codec: how momenta are compressed on the wire (:class:`CodecConfig`: chunk, topk or
@@ -178,11 +181,14 @@ class DeMoConfig:
             previous gradient, ``g_t`` alone). ``0`` (the default) is DeMo as published. Memory: one
             copy of every exchanged tensor's last gradient (its compute dtype) per worker, saved in
             the exchange's state (checkpoints), so a resume continues bitwise.
-        early_steps: the early phase's length in exchanges: while fewer than ``early_steps``
-            exchanges have run (the count is in :meth:`DeMoExchange.state_dict`, so a resume goes on
-            where it was), an exchange whose k is the default (the codec has neither ``topk`` nor
-            ``keep_ratio``, and the tensor no per-tensor strength) keeps ``early_topk_factor`` times
-            that default per tile: 256 at 2 workers, 128 at 4. ``0`` switches it off. Issue 18: with k
+        early_steps: the early phase's length in exchanges: while fewer than that many exchanges
+            have run (the count is in :meth:`DeMoExchange.state_dict`, so a resume goes on where it
+            was), every tensor without a per-tensor strength keeps ``early_topk_factor`` times the
+            codec's k per tile. ``None`` (the default): :data:`DEFAULT_EARLY_STEPS` (40) exchanges when
+            the codec's k is the default (neither ``topk`` nor ``keep_ratio`` given: 256 a tile at 2
+            workers, 128 at 4), none for an explicit strength, whose user chose k; an integer: that
+            many exchanges whatever the strength (``topk=64, early_steps=40`` keeps 256 a tile for
+            40 exchanges, a ``keep_ratio`` is multiplied and capped at 1). ``0`` switches it off. Issue 18: with k
             64 from the first step, the 1.8 M and 6.4 M GPTs on English prose sat at the corpus's unigram
             entropy for about 80 steps at some seeds (the model knows the bytes' frequencies and
             nothing of their order) and never caught up (1.24x DDP's loss); 256 coefficients a tile
@@ -209,7 +215,7 @@ class DeMoConfig:
     decay: float = 0.99
     update: Update = "sign"
     compensation: float = 0.0
-    early_steps: int = 40
+    early_steps: Optional[int] = None
     early_topk_factor: int = 4
     retain_sent: float = 0.0
 
@@ -233,16 +239,28 @@ class DeMoConfig:
         check_choice("update", self.update, UPDATES)
         check_number("compensation", self.compensation, 0.0, 1.0,
                      hint="the seed's lambda in v + lambda (g_t - g_{t-1}), for small batches; 0 switches it off")
-        check_int("early_steps", self.early_steps, 0, "exchanges at the start that keep early_topk_factor times the default k; 0 switches it off")
+        if self.early_steps is not None:
+            check_int("early_steps", self.early_steps, 0,
+                      "exchanges at the start that keep early_topk_factor times the k; 0 switches it off, None: 40 for the default k")
         check_int("early_topk_factor", self.early_topk_factor, 1, "times the default k kept in the early phase; 1 switches it off")
         check_number("retain_sent", self.retain_sent, 0.0, 1.0, high_open=True,
                      hint="the share of each sent component kept in the sender's momentum; 0 (DeMo's error feedback) takes it all out")
 
     @property
+    def early_exchanges(self) -> int:
+        """How many exchanges the early phase lasts: ``early_steps`` when given, else
+        :data:`DEFAULT_EARLY_STEPS` for the default k and 0 for an explicit strength; 0 when
+        ``early_topk_factor`` is 1."""
+        if self.early_topk_factor == 1:
+            return 0
+        if self.early_steps is not None:
+            return self.early_steps
+        return DEFAULT_EARLY_STEPS if self.codec.default_strength else 0
+
+    @property
     def has_early_phase(self) -> bool:
-        """Whether the first exchanges keep more than the default k (``early_steps > 0``, a factor
-        above 1 and the codec's k left to the default)."""
-        return self.early_steps > 0 and self.early_topk_factor > 1 and self.codec.default_strength
+        """Whether the first exchanges keep more than the codec's k (:attr:`early_exchanges` > 0)."""
+        return self.early_exchanges > 0
 
 
 def _check_decay(decay: Any) -> None:
@@ -396,9 +414,11 @@ class DeMoExchange:
         """The group the compressed exchange runs over (``None``: the communicator's own)."""
         config = config if config is not None else DeMoConfig()
         workers = max(1, self.comm.world_size_of(self.group))
-        self.config = replace(config, codec=config.codec.for_workers(workers))
+        self.config = replace(config, codec=config.codec.for_workers(workers), early_steps=config.early_exchanges)
         """The given settings, with the default k resolved for this exchange's number of workers
-        (:meth:`CodecConfig.for_workers`): the codec after the early phase (:attr:`codec` is the one in force)."""
+        (:meth:`CodecConfig.for_workers`): the codec after the early phase (:attr:`codec` is the one in
+        force), and ``early_steps`` resolved to :attr:`DeMoConfig.early_exchanges` (resolving the k
+        makes it explicit, which alone would end a default early phase)."""
         self._early_codec = config.codec.for_workers(workers, config.early_topk_factor) if config.has_early_phase else None
         self.stats = ExchangeStats()
         self.transport = transport_for(self.config.codec, self.comm, self.group, names=DEMO)
@@ -422,16 +442,16 @@ class DeMoExchange:
     # ------------------------------------------------------------------ settings
     @property
     def codec(self) -> CodecConfig:
-        """The codec settings in force at the next exchange: during the early phase, the default k
+        """The codec settings in force at the next exchange: during the early phase, the codec's k
         times ``early_topk_factor``; afterwards ``config.codec``. The same on every rank: the phase
         follows the count of exchanges run, which every rank advances together and checkpoints keep."""
         early = self._early_codec
-        return early if early is not None and self._exchanges_done < self.config.early_steps else self.config.codec
+        return early if early is not None and self._exchanges_done < self.config.early_exchanges else self.config.codec
 
     @property
     def in_early_phase(self) -> bool:
         """Whether the next exchange belongs to the early phase (``DeMoConfig.early_steps``), keeping
-        ``early_topk_factor`` times the default k."""
+        ``early_topk_factor`` times the codec's k."""
         return self.codec is not self.config.codec
 
     def parameters(self) -> list[Tensor]:

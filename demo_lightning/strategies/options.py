@@ -126,11 +126,13 @@ class DeMoOptions(_Options):
         compensation: momentum compensation ``lambda`` in [0, 1] (seed 000 §5.1, for small batches):
             each worker's momentum takes ``g_t + lambda (g_t - g_{t-1})``; costs one copy of the
             exchanged tensors' last gradient per worker (in checkpoints); ``0``: off.
-        early_steps: the first this many exchanges keep ``early_topk_factor`` times the default k
-            per tile (256 at 2 workers) when neither ``topk`` nor ``keep_ratio`` is given; ``0``: off.
-            Chosen on issue 18's matrix: without it the 1.8 M and 6.4 M GPTs stalled at the unigram
-            entropy at some seeds. The count is checkpointed.
-        early_topk_factor: the early phase's multiple of the default k (an integer >= 1; 1: off).
+        early_steps: the first this many exchanges keep ``early_topk_factor`` times the k per tile.
+            ``None`` (the default): 40 exchanges when neither ``topk`` nor ``keep_ratio`` is given
+            (256 a tile at 2 workers), none with an explicit one; an integer: that many whatever the
+            k (``topk=64, early_steps=40``: 256 a tile for 40 exchanges); ``0``: off. Chosen on issue
+            18's matrix: without it the 1.8 M and 6.4 M GPTs stalled at the unigram entropy at some
+            seeds. The count is checkpointed.
+        early_topk_factor: the early phase's multiple of the k (an integer >= 1; 1: off).
         retain_sent: the share ``rho`` in [0, 1) of each sent component that stays in the sender's
             momentum (error feedback takes out ``(1 - rho)`` of it), so the components sent every step
             keep a momentum of their own; ``0`` (the default) is DeMo's error feedback. An issue 18
@@ -183,7 +185,7 @@ class DeMoOptions(_Options):
         position_group_size: int = 1,
         update: Update = "sign",
         compensation: float = 0.0,
-        early_steps: int = 40,
+        early_steps: Optional[int] = None,
         early_topk_factor: int = 4,
         retain_sent: float = 0.0,
         dense_below: int = 1024,
