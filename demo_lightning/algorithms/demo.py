@@ -135,10 +135,10 @@ __all__ = [
 ]
 
 DEMO_STATE_KEY = "demo_momentum"
-DEFAULT_EARLY_STEPS = 40
-"""Exchanges in the early phase when neither ``topk`` nor ``keep_ratio`` is given (issue 18)."""
 """The name of the DeMo momentum among the states DES-LOC averages (``state_sync_every``), and the
 optimizer-state key where checkpoints of layout version 1 kept it."""
+DEFAULT_EARLY_STEPS = 40
+"""Exchanges in the early phase when neither ``topk`` nor ``keep_ratio`` is given (issue 18)."""
 Update = Literal["sign", "raw", "normalized"]
 UPDATES: tuple[str, ...] = get_args(Update)
 
@@ -198,7 +198,7 @@ class DeMoConfig:
             rather than removing it (1.02x on the mean of three seeds against 1.07x, per seed 0.90x
             to 1.13x). Over a 520-step run the phase costs about 15 % more bytes; over long runs,
             nothing that shows.
-        early_topk_factor: how many times the default k the early phase keeps (an integer >= 1;
+        early_topk_factor: how many times the k the early phase keeps (an integer >= 1;
             ``1`` switches it off); clamped to the whole tile.
         retain_sent: ``rho`` in [0, 1): error feedback takes ``(1 - rho)`` of each sent component out of
             the sender's momentum and keeps ``rho`` of it (dense tensors: ``rho`` of what they sent).
@@ -242,7 +242,7 @@ class DeMoConfig:
         if self.early_steps is not None:
             check_int("early_steps", self.early_steps, 0,
                       "exchanges at the start that keep early_topk_factor times the k; 0 switches it off, None: 40 for the default k")
-        check_int("early_topk_factor", self.early_topk_factor, 1, "times the default k kept in the early phase; 1 switches it off")
+        check_int("early_topk_factor", self.early_topk_factor, 1, "times the k kept in the early phase; 1 switches it off")
         check_number("retain_sent", self.retain_sent, 0.0, 1.0, high_open=True,
                      hint="the share of each sent component kept in the sender's momentum; 0 (DeMo's error feedback) takes it all out")
 
