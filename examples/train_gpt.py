@@ -154,9 +154,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\n== {name}: {world} workers, {trainer.global_step} optimizer steps, {n_trainable:,} parameters ==")
         print(f"validation loss          {val_loss:.4f} nats/byte")
         print(f"bytes sent per step      {summary['bytes_sent_per_step']:,.0f} per worker, mean over steps (DDP: {ddp_bytes:,.0f})")
-        last, demo = summary.get("last_step_ratio_vs_ddp"), getattr(strat, "demo_config", None)
-        late = (f" over the run; the last step {last:.1f}x (the first {demo.early_exchanges} exchanges keep "
-                f"{demo.early_topk_factor}x the coefficients)") if last and demo is not None and demo.has_early_phase else ""
+        last, exchanges = summary.get("last_step_ratio_vs_ddp"), list(getattr(strat, "exchanges", []))
+        early = exchanges[0].early_codec if exchanges else None
+        late = ""
+        if last and early is not None:
+            kept = f"{early.topk} a tile" if early.topk is not None else f"a keep ratio of {early.keep_ratio}"
+            late = f" over the run; the last step {last:.1f}x (the first {exchanges[0].config.early_steps} exchanges keep {kept})"
         print(f"ratio vs DDP             {summary['ratio_vs_ddp']:.1f}x fewer bytes{late}")
         print(f"step time                {step_time * 1000:.1f} ms")
         if "exchange_share" in summary:

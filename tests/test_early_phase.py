@@ -1,7 +1,9 @@
 """The exchange's early phase (issue 18): while fewer than ``early_steps`` exchanges have run, an
-exchange keeps ``early_topk_factor`` times its k; left unset, the phase is 40 exchanges for the
-default k and none for an explicit strength; set, it applies to any k; per-tensor strengths keep
-theirs; the count is checkpointed, so a resume continues inside or after the phase; every rank agrees."""
+exchange keeps more coefficients per tile; left unset, the phase keeps 256 a tile for
+``clamp(80 // W, 20, 40)`` exchanges over ``W`` workers for the default k and is off for an explicit
+strength; set, ``early_steps`` applies to any k (4x an explicit one, or ``early_topk_factor`` times);
+per-tensor strengths keep theirs; the count is checkpointed, so a resume continues inside or after
+the phase; every rank agrees."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange, TensorSettings
+from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange, TensorSettings, default_early_steps
 from demo_lightning.comm import Communicator
 
 from dist_helpers import run_workers
@@ -20,12 +22,19 @@ from dist_helpers import run_workers
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_defaults_are_four_times_the_default_k_for_40_exchanges() -> None:
+def test_the_default_phase_keeps_256_a_tile_for_fewer_exchanges_as_workers_grow() -> None:
     config = DeMoConfig()
-    assert (config.early_steps, config.early_exchanges, config.early_topk_factor, config.has_early_phase) == (None, 40, 4, True)
-    assert DeMoConfig.of(early_steps=7).early_exchanges == 7 and DeMoConfig.of(early_topk_factor=1).early_exchanges == 0
+    assert (config.early_steps, config.early_topk_factor, config.has_early_phase) == (None, None, True)
+    assert [config.early_exchanges_for(w) for w in (1, 2, 3, 4, 8, 16)] == [40, 40, 26, 20, 20, 20]
+    assert [default_early_steps(w) for w in (1, 2, 3, 4, 5, 64)] == [40, 40, 26, 20, 20, 20]
+    assert [config.early_codec_for(w).topk for w in (1, 2, 3, 4, 8, 16)] == [256] * 6  # the steady k: 64 64 42 32 16 8
+    assert DeMoConfig.of(selection="shared", value_format="bf16").early_codec_for(8).topk == 256  # all-reduced: 4 x 64
+    assert DeMoConfig.of(early_steps=7).early_exchanges_for(4) == 7 and DeMoConfig.of(early_topk_factor=1).early_exchanges_for(2) == 0
+    assert DeMoConfig.of(early_topk_factor=4).early_codec_for(4).topk == 128  # a given factor multiplies the k of W workers
+    assert DeMoConfig.of(topk=64).early_codec_for(4) is None
     assert CodecConfig().for_workers(2, 4).topk == 256 and CodecConfig().for_workers(4, 4).topk == 128
-    assert CodecConfig(selection="shared", value_format="bf16").for_workers(8, 4).topk == 256  # all-reduced: 4 x 64
+    with pytest.raises(ValueError, match="workers"):
+        default_early_steps(0)
 
 
 @pytest.mark.parametrize("settings", [{"topk": 64}, {"keep_ratio": 0.02}, {"early_steps": 0}, {"early_topk_factor": 1}])
@@ -45,7 +54,7 @@ def test_the_exchange_keeps_the_phase_it_was_given(settings: dict[str, Any], ear
     """At 1 worker the default k is 64: the unset phase (40 exchanges) survives the k's resolution."""
     model = nn.Linear(64, 128, bias=False)
     ex = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), DeMoConfig.of(**settings), Communicator())
-    assert ex.config.early_steps == DeMoConfig.of(**settings).early_exchanges
+    assert ex.config.early_steps == DeMoConfig.of(**settings).early_exchanges_for(1)
     ks = []
     for _ in range(3):
         ks.append(ex.k_of(model.weight))
@@ -58,9 +67,11 @@ def test_the_exchange_keeps_the_phase_it_was_given(settings: dict[str, Any], ear
 def test_the_strategy_passes_early_steps_through() -> None:
     from demo_lightning import DeMoStrategy
 
-    assert DeMoStrategy().demo_config.early_exchanges == 40
-    assert DeMoStrategy(topk=64).demo_config.early_exchanges == 0
-    assert DeMoStrategy(topk=64, early_steps=40).demo_config.early_exchanges == 40
+    assert DeMoStrategy().demo_config.early_exchanges_for(2) == 40
+    assert DeMoStrategy().demo_config.early_exchanges_for(4) == 20
+    assert DeMoStrategy(topk=64).demo_config.early_exchanges_for(2) == 0
+    assert DeMoStrategy(topk=64, early_steps=40).demo_config.early_exchanges_for(4) == 40
+    assert DeMoStrategy(early_topk_factor=8).demo_config.early_codec_for(4).topk == 256
 
 
 @pytest.mark.parametrize(("settings", "early", "steady"), [
@@ -71,7 +82,7 @@ def test_the_strategy_passes_early_steps_through() -> None:
 ])
 def test_an_explicit_strength_with_early_steps_given_has_the_phase(settings: dict[str, Any], early: int, steady: int) -> None:
     config = DeMoConfig.of(**settings)
-    assert config.has_early_phase and config.early_exchanges == 2
+    assert config.has_early_phase and config.early_exchanges_for(4) == 2
     model = nn.Linear(64, 128, bias=False)  # two 64 x 64 tiles
     ex = DeMoExchange(torch.optim.SGD(model.parameters(), lr=0.1), config, Communicator())
     ks, sent = [], []
@@ -190,14 +201,14 @@ def test_a_resume_continues_inside_or_after_the_phase_bitwise(saved_at: int) -> 
         assert torch.equal(second.weight.grad.reshape(-1), gen_grads[step])
 
 
-def _steps(rank: int, world: int, settings: dict[str, Any]) -> dict[str, Any]:
+def _steps(rank: int, world: int, settings: dict[str, Any], steps: int = 4) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Linear(128, 256, bias=False)  # 8 tiles of 64 x 64
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ex = DeMoExchange(opt, DeMoConfig.of(**settings), Communicator())
     gen = torch.Generator().manual_seed(rank)
     sent, ks = [], []
-    for _ in range(4):
+    for _ in range(steps):
         ks.append(ex.k_of(model.weight))
         model(torch.randn(4, 128, generator=gen)).pow(2).sum().backward()
         ex.step()
@@ -209,10 +220,24 @@ def _steps(rank: int, world: int, settings: dict[str, Any]) -> dict[str, Any]:
 
 def test_three_gloo_workers_send_the_early_k_then_the_default_and_stay_identical(tmp_path: Path) -> None:
     ranks = run_workers(_steps, 3, tmp_path, {"early_steps": 2})
-    early = run_workers(_steps, 3, tmp_path / "early", {"topk": 4 * 42, "early_steps": 0})
+    early = run_workers(_steps, 3, tmp_path / "early", {"topk": 256, "early_steps": 0})
     steady = run_workers(_steps, 3, tmp_path / "steady", {"topk": 42, "early_steps": 0})
-    assert all(r["k"] == [168, 168, 42, 42] for r in ranks)
+    assert all(r["k"] == [256, 256, 42, 42] for r in ranks)  # 256 a tile, the default k of 3 workers after
     for r, e, s in zip(ranks, early, steady):
         assert r["sent"][:2] == e["sent"][:2] and r["sent"][2:] == s["sent"][2:]
-        assert r["sent"][0] > 3 * s["sent"][0]
+        assert r["sent"][0] > 5 * s["sent"][0]
     assert all(torch.equal(r["weight"], ranks[0]["weight"]) for r in ranks)
+
+
+def test_four_gloo_workers_default_phase_is_20_exchanges_of_256_the_same_as_given_by_hand(tmp_path: Path) -> None:
+    """Oracle: the unset phase at 4 workers equals ``early_topk_factor=8, early_steps=20`` bitwise (8 x the
+    default k of 32); the control, the factor of 2 workers (4: 128 a tile), sends fewer bytes and differs."""
+    default = run_workers(_steps, 4, tmp_path, {}, 22)
+    by_hand = run_workers(_steps, 4, tmp_path / "hand", {"early_topk_factor": 8, "early_steps": 20}, 22)
+    control = run_workers(_steps, 4, tmp_path / "control", {"early_topk_factor": 4, "early_steps": 20}, 22)
+    assert all(r["k"] == [256] * 20 + [32] * 2 for r in default)
+    for d, h, c in zip(default, by_hand, control):
+        assert d["sent"] == h["sent"] and torch.equal(d["weight"], h["weight"])
+        assert c["sent"][0] < d["sent"][0] and c["sent"][20:] == d["sent"][20:]
+    assert all(torch.equal(r["weight"], default[0]["weight"]) for r in default)
+    assert not torch.equal(control[0]["weight"], default[0]["weight"])

@@ -4,13 +4,16 @@ from demo_lightning.algorithms.compressed_mean import CompressedMean
 from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec, compute_dtype
 from demo_lightning.algorithms.demo import (
     DEFAULT_EARLY_STEPS,
+    DEFAULT_EARLY_TOPK,
     DEMO_STATE_KEY,
+    MIN_DEFAULT_EARLY_STEPS,
     UPDATES,
     DeMoConfig,
     DeMoExchange,
     ExchangeStats,
     TensorEnergy,
     TensorSettings,
+    default_early_steps,
     warn_if_stateful,
 )
 from demo_lightning.algorithms.guard import NonFiniteFlags, agree_nonfinite, gather_nonfinite
@@ -18,8 +21,10 @@ from demo_lightning.algorithms.momentum import MOMENTUM_STATE_VERSION, SpectralM
 
 __all__ = [
     "DEFAULT_EARLY_STEPS",
+    "DEFAULT_EARLY_TOPK",
     "DEFAULT_TOPK",
     "DEMO_STATE_KEY",
+    "MIN_DEFAULT_EARLY_STEPS",
     "MOMENTUM_STATE_VERSION",
     "UPDATES",
     "CodecConfig",
@@ -34,6 +39,7 @@ __all__ = [
     "TensorSettings",
     "agree_nonfinite",
     "compute_dtype",
+    "default_early_steps",
     "gather_nonfinite",
     "warn_if_stateful",
 ]

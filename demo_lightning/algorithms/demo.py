@@ -130,15 +130,38 @@ from demo_lightning.profiling import DEMO, DEMO_EXCHANGE, DEMO_NODE, stage_range
 from demo_lightning.validation import check_choice, check_int, check_number
 
 __all__ = [
-    "DEFAULT_EARLY_STEPS", "DEFAULT_TOPK", "DEMO_STATE_KEY", "UPDATES", "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorEnergy",
-    "TensorSettings", "Update", "warn_if_stateful",
+    "DEFAULT_EARLY_STEPS", "DEFAULT_EARLY_TOPK", "DEFAULT_TOPK", "DEMO_STATE_KEY", "MIN_DEFAULT_EARLY_STEPS", "UPDATES",
+    "DeMoConfig", "DeMoExchange", "ExchangeStats", "TensorEnergy", "TensorSettings", "Update", "default_early_steps",
+    "warn_if_stateful",
 ]
 
 DEMO_STATE_KEY = "demo_momentum"
 """The name of the DeMo momentum among the states DES-LOC averages (``state_sync_every``), and the
 optimizer-state key where checkpoints of layout version 1 kept it."""
 DEFAULT_EARLY_STEPS = 40
-"""Exchanges in the early phase when neither ``topk`` nor ``keep_ratio`` is given (issue 18)."""
+"""Exchanges in the early phase when neither ``topk`` nor ``keep_ratio`` is given, at up to 2
+workers (issue 18); past 2 workers :func:`default_early_steps`."""
+MIN_DEFAULT_EARLY_STEPS = 20
+"""The shortest default early phase (:func:`default_early_steps`): at 2 workers 10 exchanges of 256
+a tile left the stall later than 40 did (issue 18)."""
+DEFAULT_EARLY_TOPK = 4 * DEFAULT_TOPK
+"""Coefficients per tile the default early phase keeps, at any number of workers (256)."""
+
+
+def default_early_steps(workers: int) -> int:
+    """The default early phase's length in exchanges over ``workers`` DeMo workers (issue 18):
+    ``clamp(80 // W, 20, 40)``: 40 at 1 and 2 workers, 26 at 3, 20 from 4 on.
+
+    Why: the phase keeps :data:`DEFAULT_EARLY_TOPK` (256) a tile per worker at any ``W``; the stall it
+    cures (the model sitting at the corpus's unigram entropy) was removed by 256 a tile, not by the
+    same coefficients gathered from more workers (at 4 workers 4 x 128 stalled where 2 x 256 did
+    not). Halving the phase as ``W`` doubles keeps what it gathers, ``W x 256 x steps``, the same
+    from 2 to 4 workers, so its bytes over a run do not grow with ``W`` there; measured at 4 workers
+    (``benchmarks/parity.py``), 20 exchanges of 256 removed the stalls that 40 of 128 left, at
+    about the bytes of the phase before. The floor of 20: no shorter phase was measured to work (10
+    exchanges of 256 at 2 workers left the stall late); past 4 workers nothing was measured."""
+    workers = check_int("workers", workers, 1, "DeMo workers in the exchange")
+    return max(MIN_DEFAULT_EARLY_STEPS, min(DEFAULT_EARLY_STEPS, 2 * DEFAULT_EARLY_STEPS // workers))
 Update = Literal["sign", "raw", "normalized"]
 UPDATES: tuple[str, ...] = get_args(Update)
 
@@ -153,8 +176,8 @@ class DeMoConfig:
     reached the closest loss to AdamW + DDP. With neither ``topk`` nor ``keep_ratio`` given, the
     exchange keeps ``clamp(128 // W, 8, 64)`` per tile over ``W`` DeMo workers
     (:func:`~demo_lightning.algorithms.config.default_topk`), so its bytes per worker do not grow
-    with ``W`` up to 16, after an early phase of ``early_topk_factor`` (4) times that for the first
-    ``early_steps`` (40) exchanges; the codec sends the tensors under ``dense_below`` (1,024 elements)
+    with ``W`` up to 16, after an early phase of 256 a tile for the first ``clamp(80 // W, 20, 40)``
+    exchanges (:func:`default_early_steps`: 40 at 2 workers, 20 at 4); the codec sends the tensors under ``dense_below`` (1,024 elements)
     and the 1-D ones in bf16 (an explicit ``topk`` or ``keep_ratio`` has no early phase unless
     ``early_steps`` is given). Across
     held-out corpora, sizes and seeds (issue 18, ``benchmarks/parity.py``) these defaults ended
@@ -183,12 +206,13 @@ class DeMoConfig:
             the exchange's state (checkpoints), so a resume continues bitwise.
         early_steps: the early phase's length in exchanges: while fewer than that many exchanges
             have run (the count is in :meth:`DeMoExchange.state_dict`, so a resume goes on where it
-            was), every tensor without a per-tensor strength keeps ``early_topk_factor`` times the
-            codec's k per tile. ``None`` (the default): :data:`DEFAULT_EARLY_STEPS` (40) exchanges when
-            the codec's k is the default (neither ``topk`` nor ``keep_ratio`` given: 256 a tile at 2
-            workers, 128 at 4), none for an explicit strength, whose user chose k; an integer: that
-            many exchanges whatever the strength (``topk=64, early_steps=40`` keeps 256 a tile for
-            40 exchanges, a ``keep_ratio`` is multiplied and capped at 1). ``0`` switches it off. Issue 18: with k
+            was), every tensor without a per-tensor strength keeps the early phase's k per tile
+            (``early_topk_factor``). ``None`` (the default): :func:`default_early_steps` exchanges
+            (``clamp(80 // W, 20, 40)`` over ``W`` workers: 40 at 2, 20 at 4) when the codec's k is
+            the default (neither ``topk`` nor ``keep_ratio`` given), none for an explicit strength,
+            whose user chose k; an integer: that many exchanges whatever the strength (``topk=64,
+            early_steps=40`` keeps 256 a tile for 40 exchanges, a ``keep_ratio`` is multiplied by 4
+            and capped at 1). ``0`` switches it off. Issue 18: with k
             64 from the first step, the 1.8 M and 6.4 M GPTs on English prose sat at the corpus's unigram
             entropy for about 80 steps at some seeds (the model knows the bytes' frequencies and
             nothing of their order) and never caught up (1.24x DDP's loss); 256 coefficients a tile
@@ -196,10 +220,15 @@ class DeMoConfig:
             1.8 M GPT's seed 0 still sat there from step ~25 to ~75, the 6.4 M GPT's seed 2 from 40
             to 110 (``benchmarks/parity.py``). A phase of 80 exchanges moved the stall between seeds
             rather than removing it (1.02x on the mean of three seeds against 1.07x, per seed 0.90x
-            to 1.13x). Over a 520-step run the phase costs about 15 % more bytes; over long runs,
+            to 1.13x). At 4 workers 40 exchanges of 4 x 32 = 128 a tile left the 1.8 M GPT's prose
+            seed 0 at the unigram entropy for ~120 steps (1.27x DDP's loss) and the 0.44 M GPT's seed
+            2 at 2e-3 too (1.24x); 20 exchanges of 256 removed both (0.99x, 1.00x) at the bytes of the
+            phase before. Over a 520-step run the phase costs about 15 % more bytes; over long runs,
             nothing that shows.
         early_topk_factor: how many times the k the early phase keeps (an integer >= 1;
-            ``1`` switches it off); clamped to the whole tile.
+            ``1`` switches it off); clamped to the whole tile. ``None`` (the default):
+            :data:`DEFAULT_EARLY_TOPK` (256) a tile for the default k at any number of workers (4x
+            at 1 and 2 workers, 8x at 4), 4x an explicit strength.
         retain_sent: ``rho`` in [0, 1): error feedback takes ``(1 - rho)`` of each sent component out of
             the sender's momentum and keeps ``rho`` of it (dense tensors: ``rho`` of what they sent).
             With ``0`` (DeMo as published) a component sent at every step restarts from its
@@ -216,7 +245,7 @@ class DeMoConfig:
     update: Update = "sign"
     compensation: float = 0.0
     early_steps: Optional[int] = None
-    early_topk_factor: int = 4
+    early_topk_factor: Optional[int] = None
     retain_sent: float = 0.0
 
     @classmethod
@@ -241,26 +270,43 @@ class DeMoConfig:
                      hint="the seed's lambda in v + lambda (g_t - g_{t-1}), for small batches; 0 switches it off")
         if self.early_steps is not None:
             check_int("early_steps", self.early_steps, 0,
-                      "exchanges at the start that keep early_topk_factor times the k; 0 switches it off, None: 40 for the default k")
-        check_int("early_topk_factor", self.early_topk_factor, 1, "times the k kept in the early phase; 1 switches it off")
+                      "exchanges at the start that keep early_topk_factor times the k; 0 switches it off, "
+                      "None: clamp(80 // workers, 20, 40) for the default k")
+        if self.early_topk_factor is not None:
+            check_int("early_topk_factor", self.early_topk_factor, 1,
+                      "times the k kept in the early phase; 1 switches it off, None: 256 a tile for the default k, 4x an explicit one")
         check_number("retain_sent", self.retain_sent, 0.0, 1.0, high_open=True,
                      hint="the share of each sent component kept in the sender's momentum; 0 (DeMo's error feedback) takes it all out")
 
-    @property
-    def early_exchanges(self) -> int:
-        """How many exchanges the early phase lasts: ``early_steps`` when given, else
-        :data:`DEFAULT_EARLY_STEPS` for the default k and 0 for an explicit strength; 0 when
-        ``early_topk_factor`` is 1."""
+    def early_exchanges_for(self, workers: int) -> int:
+        """How many exchanges the early phase lasts over ``workers`` DeMo workers: ``early_steps``
+        when given, else :func:`default_early_steps` ``(workers)`` for the default k and 0 for an
+        explicit strength; 0 when ``early_topk_factor`` is 1."""
         if self.early_topk_factor == 1:
             return 0
         if self.early_steps is not None:
             return self.early_steps
-        return DEFAULT_EARLY_STEPS if self.codec.default_strength else 0
+        return default_early_steps(workers) if self.codec.default_strength else 0
+
+    def early_codec_for(self, workers: int) -> Optional[CodecConfig]:
+        """The codec of the early phase over ``workers`` DeMo workers (``None`` without one): the
+        codec's k times ``early_topk_factor`` when given (:meth:`CodecConfig.for_workers`); unset,
+        :data:`DEFAULT_EARLY_TOPK` (256) a tile for the default k at any ``W``, 4x an explicit
+        strength (a ``keep_ratio`` capped at 1, a ``topk`` past the tile keeps the whole tile)."""
+        if not self.early_exchanges_for(workers):
+            return None
+        if self.early_topk_factor is not None:
+            return self.codec.for_workers(workers, self.early_topk_factor)
+        if self.codec.default_strength:
+            return replace(self.codec, topk=DEFAULT_EARLY_TOPK)
+        return self.codec.for_workers(workers, 4)
 
     @property
     def has_early_phase(self) -> bool:
-        """Whether the first exchanges keep more than the codec's k (:attr:`early_exchanges` > 0)."""
-        return self.early_exchanges > 0
+        """Whether the first exchanges keep more than the codec's k, at any number of workers: not
+        when ``early_steps`` is 0 or ``early_topk_factor`` 1, nor for an explicit strength without
+        an ``early_steps``."""
+        return self.early_exchanges_for(1) > 0
 
 
 def _check_decay(decay: Any) -> None:
@@ -414,12 +460,15 @@ class DeMoExchange:
         """The group the compressed exchange runs over (``None``: the communicator's own)."""
         config = config if config is not None else DeMoConfig()
         workers = max(1, self.comm.world_size_of(self.group))
-        self.config = replace(config, codec=config.codec.for_workers(workers), early_steps=config.early_exchanges)
+        self.early_codec: Optional[CodecConfig] = config.early_codec_for(workers)
+        """The early phase's codec for this exchange's workers (``None`` without one):
+        :meth:`DeMoConfig.early_codec_for`."""
+        self.config = replace(config, codec=config.codec.for_workers(workers), early_steps=config.early_exchanges_for(workers))
         """The given settings, with the default k resolved for this exchange's number of workers
         (:meth:`CodecConfig.for_workers`): the codec after the early phase (:attr:`codec` is the one in
-        force), and ``early_steps`` resolved to :attr:`DeMoConfig.early_exchanges` (resolving the k
-        makes it explicit, which alone would end a default early phase)."""
-        self._early_codec = config.codec.for_workers(workers, config.early_topk_factor) if config.has_early_phase else None
+        force), and ``early_steps`` resolved to :meth:`DeMoConfig.early_exchanges_for` (resolving the k
+        makes it explicit, which alone would end a default early phase); the phase's codec is
+        :attr:`early_codec`."""
         self.stats = ExchangeStats()
         self.transport = transport_for(self.config.codec, self.comm, self.group, names=DEMO)
         self._owners_key: Optional[tuple] = None
@@ -442,16 +491,16 @@ class DeMoExchange:
     # ------------------------------------------------------------------ settings
     @property
     def codec(self) -> CodecConfig:
-        """The codec settings in force at the next exchange: during the early phase, the codec's k
-        times ``early_topk_factor``; afterwards ``config.codec``. The same on every rank: the phase
+        """The codec settings in force at the next exchange: during the early phase
+        :attr:`early_codec`; afterwards ``config.codec``. The same on every rank: the phase
         follows the count of exchanges run, which every rank advances together and checkpoints keep."""
-        early = self._early_codec
-        return early if early is not None and self._exchanges_done < self.config.early_exchanges else self.config.codec
+        early = self.early_codec
+        return early if early is not None and self._exchanges_done < int(self.config.early_steps or 0) else self.config.codec
 
     @property
     def in_early_phase(self) -> bool:
         """Whether the next exchange belongs to the early phase (``DeMoConfig.early_steps``), keeping
-        ``early_topk_factor`` times the codec's k."""
+        :attr:`early_codec`'s k."""
         return self.codec is not self.config.codec
 
     def parameters(self) -> list[Tensor]:

@@ -126,13 +126,16 @@ class DeMoOptions(_Options):
         compensation: momentum compensation ``lambda`` in [0, 1] (seed 000 §5.1, for small batches):
             each worker's momentum takes ``g_t + lambda (g_t - g_{t-1})``; costs one copy of the
             exchanged tensors' last gradient per worker (in checkpoints); ``0``: off.
-        early_steps: the first this many exchanges keep ``early_topk_factor`` times the k per tile.
-            ``None`` (the default): 40 exchanges when neither ``topk`` nor ``keep_ratio`` is given
-            (256 a tile at 2 workers), none with an explicit one; an integer: that many whatever the
-            k (``topk=64, early_steps=40``: 256 a tile for 40 exchanges); ``0``: off. Chosen on issue
-            18's matrix: without it the 1.8 M and 6.4 M GPTs stalled at the unigram entropy at some
-            seeds. The count is checkpointed.
-        early_topk_factor: the early phase's multiple of the k (an integer >= 1; 1: off).
+        early_steps: the first this many exchanges keep more coefficients per tile (the early
+            phase, ``early_topk_factor``). ``None`` (the default): ``clamp(80 // W, 20, 40)``
+            exchanges over ``W`` workers (40 at 2, 20 at 4) when neither ``topk`` nor ``keep_ratio``
+            is given, none with an explicit one; an integer: that many whatever the k (``topk=64,
+            early_steps=40``: 256 a tile for 40 exchanges); ``0``: off. Chosen on issue 18's matrix:
+            without it the 1.8 M and 6.4 M GPTs stalled at the unigram entropy at some seeds. The
+            count is checkpointed.
+        early_topk_factor: the early phase's multiple of the k (an integer >= 1; 1: off). ``None``
+            (the default): 256 a tile for the default k at any ``W`` (at 4 workers 128 a tile still
+            stalled), 4x an explicit strength.
         retain_sent: the share ``rho`` in [0, 1) of each sent component that stays in the sender's
             momentum (error feedback takes out ``(1 - rho)`` of it), so the components sent every step
             keep a momentum of their own; ``0`` (the default) is DeMo's error feedback. An issue 18
@@ -186,7 +189,7 @@ class DeMoOptions(_Options):
         update: Update = "sign",
         compensation: float = 0.0,
         early_steps: Optional[int] = None,
-        early_topk_factor: int = 4,
+        early_topk_factor: Optional[int] = None,
         retain_sent: float = 0.0,
         dense_below: int = 1024,
         dense_vectors: bool = True,
