@@ -31,6 +31,8 @@ def test_the_default_phase_keeps_256_a_tile_for_fewer_exchanges_as_workers_grow(
     assert DeMoConfig.of(selection="shared", value_format="bf16").early_codec_for(8).topk == 256  # all-reduced: 4 x 64
     assert DeMoConfig.of(early_steps=7).early_exchanges_for(4) == 7 and DeMoConfig.of(early_topk_factor=1).early_exchanges_for(2) == 0
     assert DeMoConfig.of(early_topk_factor=4).early_codec_for(4).topk == 128  # a given factor multiplies the k of W workers
+    # ... for 40 exchanges at any W, as before the phase followed W (the stored early_topk_factor=8 runs re-run as they were)
+    assert [DeMoConfig.of(early_topk_factor=8).early_exchanges_for(w) for w in (2, 4, 8)] == [40, 40, 40]
     assert DeMoConfig.of(topk=64).early_codec_for(4) is None
     assert CodecConfig().for_workers(2, 4).topk == 256 and CodecConfig().for_workers(4, 4).topk == 128
     with pytest.raises(ValueError, match="workers"):

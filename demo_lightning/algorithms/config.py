@@ -49,7 +49,8 @@ def default_topk(workers: int) -> int:
     the ratio about constant and the decoded update about as dense (the sum of ``W`` sparse
     components, then its sign); measured at 4 workers on two corpora (``benchmarks/parity.py``:
     1.02x DDP's loss on C/C++, 1.07x on prose, against 1.02x and 1.03x at k 64; with the exchange's
-    early phase, 4x this k for the first 40 exchanges, 1.03x on both). Under ``hierarchy="node"`` the
+    early phase, then 4x this k for the first 40 exchanges, 1.03x on both; with 256 a tile for 20,
+    the phase now, 1.03x and 1.02x). Under ``hierarchy="node"`` the
     DeMo workers are the nodes.
     """
     workers = check_int("workers", workers, 1, "DeMo workers in the exchange")

@@ -157,9 +157,12 @@ def default_early_steps(workers: int) -> int:
     same coefficients gathered from more workers (at 4 workers 4 x 128 stalled where 2 x 256 did
     not). Halving the phase as ``W`` doubles keeps what it gathers, ``W x 256 x steps``, the same
     from 2 to 4 workers, so its bytes over a run do not grow with ``W`` there; measured at 4 workers
-    (``benchmarks/parity.py``), 20 exchanges of 256 removed the stalls that 40 of 128 left, at
-    about the bytes of the phase before. The floor of 20: no shorter phase was measured to work (10
-    exchanges of 256 at 2 workers left the stall late); past 4 workers nothing was measured."""
+    (``benchmarks/parity.py``), 20 exchanges of 256 removed the stalls that 40 of 128 left on the
+    1.8 M GPT, at about the bytes of the phase before, but not every stall: on the 0.44 M GPT at
+    2e-3 it moved one between seeds. 40 exchanges of 256 stall fewer seeds and take a 520-step run
+    from 100x to 86x fewer bytes than DDP (``early_topk_factor=8`` alone gives that phase at 4
+    workers). The floor of 20: no shorter phase was measured to work (10 exchanges of 256 at 2
+    workers left the stall late); past 4 workers nothing was measured."""
     workers = check_int("workers", workers, 1, "DeMo workers in the exchange")
     return max(MIN_DEFAULT_EARLY_STEPS, min(DEFAULT_EARLY_STEPS, 2 * DEFAULT_EARLY_STEPS // workers))
 Update = Literal["sign", "raw", "normalized"]
@@ -181,7 +184,7 @@ class DeMoConfig:
     and the 1-D ones in bf16 (an explicit ``topk`` or ``keep_ratio`` has no early phase unless
     ``early_steps`` is given). Across
     held-out corpora, sizes and seeds (issue 18, ``benchmarks/parity.py``) these defaults ended
-    within 1.05x of DDP's validation loss at 103-111x fewer bytes on the 0.44 M and 1.8 M GPTs at 2
+    within 1.05x of DDP's validation loss at 100-111x fewer bytes on the 0.44 M and 1.8 M GPTs at 2
     and 4 workers (the 1.8 M GPT on prose on the mean of three seeds: 1.02x, worst 1.10x), at
     1.04x (C/C++) and 1.07x (prose) on the 6.4 M GPT (115x, three seeds each), and at DDP's
     validation accuracy on a ResNet-10t (101x).
@@ -209,7 +212,8 @@ class DeMoConfig:
             was), every tensor without a per-tensor strength keeps the early phase's k per tile
             (``early_topk_factor``). ``None`` (the default): :func:`default_early_steps` exchanges
             (``clamp(80 // W, 20, 40)`` over ``W`` workers: 40 at 2, 20 at 4) when the codec's k is
-            the default (neither ``topk`` nor ``keep_ratio`` given), none for an explicit strength,
+            the default (neither ``topk`` nor ``keep_ratio`` given; 40 when only
+            ``early_topk_factor`` is given, as before the phase followed ``W``), none for an explicit strength,
             whose user chose k; an integer: that many exchanges whatever the strength (``topk=64,
             early_steps=40`` keeps 256 a tile for 40 exchanges, a ``keep_ratio`` is multiplied by 4
             and capped at 1). ``0`` switches it off. Issue 18: with k
@@ -280,13 +284,17 @@ class DeMoConfig:
 
     def early_exchanges_for(self, workers: int) -> int:
         """How many exchanges the early phase lasts over ``workers`` DeMo workers: ``early_steps``
-        when given, else :func:`default_early_steps` ``(workers)`` for the default k and 0 for an
-        explicit strength; 0 when ``early_topk_factor`` is 1."""
+        when given; else, for the default k, :func:`default_early_steps` ``(workers)`` (with
+        ``early_topk_factor`` unset too) or :data:`DEFAULT_EARLY_STEPS` (40, with a factor given),
+        and 0 for an explicit strength; 0 when ``early_topk_factor`` is 1."""
         if self.early_topk_factor == 1:
             return 0
         if self.early_steps is not None:
             return self.early_steps
-        return default_early_steps(workers) if self.codec.default_strength else 0
+        if not self.codec.default_strength:
+            return 0
+        # a given factor alone keeps the 40 exchanges it had before the phase followed W (stored runs re-run as they were)
+        return default_early_steps(workers) if self.early_topk_factor is None else DEFAULT_EARLY_STEPS
 
     def early_codec_for(self, workers: int) -> Optional[CodecConfig]:
         """The codec of the early phase over ``workers`` DeMo workers (``None`` without one): the

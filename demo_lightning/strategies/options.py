@@ -129,7 +129,7 @@ class DeMoOptions(_Options):
         early_steps: the first this many exchanges keep more coefficients per tile (the early
             phase, ``early_topk_factor``). ``None`` (the default): ``clamp(80 // W, 20, 40)``
             exchanges over ``W`` workers (40 at 2, 20 at 4) when neither ``topk`` nor ``keep_ratio``
-            is given, none with an explicit one; an integer: that many whatever the k (``topk=64,
+            is given (40 with only ``early_topk_factor`` given), none with an explicit one; an integer: that many whatever the k (``topk=64,
             early_steps=40``: 256 a tile for 40 exchanges); ``0``: off. Chosen on issue 18's matrix:
             without it the 1.8 M and 6.4 M GPTs stalled at the unigram entropy at some seeds. The
             count is checkpointed.
