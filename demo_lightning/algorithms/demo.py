@@ -144,7 +144,9 @@ workers (issue 18); past 2 workers :func:`default_early_steps`."""
 MIN_DEFAULT_EARLY_STEPS = 20
 """The shortest default early phase (:func:`default_early_steps`): at 2 workers 10 exchanges of 256
 a tile left the stall later than 40 did (issue 18)."""
-DEFAULT_EARLY_TOPK = 4 * DEFAULT_TOPK
+EARLY_TOPK_FACTOR = 4
+"""The early phase's multiple of an explicit ``topk`` / ``keep_ratio`` when ``early_topk_factor`` is unset."""
+DEFAULT_EARLY_TOPK = EARLY_TOPK_FACTOR * DEFAULT_TOPK
 """Coefficients per tile the default early phase keeps, at any number of workers (256)."""
 
 
@@ -307,7 +309,7 @@ class DeMoConfig:
             return self.codec.for_workers(workers, self.early_topk_factor)
         if self.codec.default_strength:
             return replace(self.codec, topk=DEFAULT_EARLY_TOPK)
-        return self.codec.for_workers(workers, 4)
+        return self.codec.for_workers(workers, EARLY_TOPK_FACTOR)
 
     @property
     def has_early_phase(self) -> bool:
