@@ -196,13 +196,16 @@ def run(args: argparse.Namespace) -> None:
     # the sweep's best, then rates given to earlier runs (rates.json, enough without a sweep), then these: given rates win
     swept = best_rates(out) if (out / "sweep.json").exists() or not (given or kept) else {}
     rates = {**swept, **kept, **given}
-    (out / "rates.json").parent.mkdir(parents=True, exist_ok=True)
-    if not args.ablation:  # an ablation's rates run, but the chosen ones (what render reports) stay
-        (out / "rates.json").write_text(json.dumps(rates))  # what render reports: these rates, given or swept
     methods = args.methods.split(",")
     missing = [m for m in methods if m not in rates]
     if missing:
         raise SystemExit(f"no learning rate for {missing}: sweep them, or give --lr {missing[0]}=RATE")
+    if not args.ablation:  # an ablation's rates run, but the chosen ones (what render reports) stay
+        # what render reports: the rates chosen before (the sweep's best where none were), and those of the methods
+        # this run trains; a method merely swept does not join a chosen set by another method's run
+        chosen = {**(kept or swept), **{m: rates[m] for m in methods}}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rates.json").write_text(json.dumps(chosen))
     for corpus in args.corpora.split(","):
         for size in ([DIGITS_SIZE] if corpus == DIGITS else args.sizes.split(",")):
             for world in (int(w) for w in args.world_sizes.split(",")):

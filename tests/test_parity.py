@@ -88,6 +88,33 @@ def test_a_sweep_over_seeds_chooses_by_the_mean_and_adds_to_the_earlier_sweep(tm
     assert len(json.loads((tmp_path / "sweep.json").read_text())["cells"]) == 1
 
 
+def test_a_run_keeps_the_chosen_rates_and_adds_only_the_methods_it_trains(tmp_path: Path) -> None:
+    """rates.json is the chosen set render reports: the first run takes the sweep's best for every swept method;
+    a later run adds the methods it trains and nothing else (a swept method nobody chose stays out)."""
+    sweep = [{"method": m, "lr": lr, "seed": 0, "loss": loss} for m, lr, loss in
+             [("ddp", 1e-3, 2.0), ("demo-default", 2e-3, 2.2), ("ddp-signum-b0.9", 1e-3, 2.3)]]
+    (tmp_path / "sweep.json").write_text(json.dumps({"corpus": "stdlib", "size": "small", "world": 2, "steps": 10,
+                                                     "seeds": [0], "cells": sweep}))
+    for method, lr, loss in [("ddp", 1e-3, 2.0), ("demo-default", 3e-3, 2.1), ("demo-default", 2e-3, 2.15)]:
+        _cell(tmp_path, "prose", 0, method, lr, loss, 1.0)
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3}))
+    parity.main(["run", "--corpora", "prose", "--methods", "demo-default", "--lr", "demo-default=0.003", "--steps", "10",
+                 "--out", str(tmp_path)])  # the cells exist: nothing trains
+    assert json.loads((tmp_path / "rates.json").read_text()) == {"ddp": 1e-3, "demo-default": 3e-3}
+    # a run without a rate takes the sweep's best for the method it trains, and still only that method joins
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3}))
+    parity.main(["run", "--corpora", "prose", "--methods", "demo-default", "--steps", "10", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "rates.json").read_text()) == {"ddp": 1e-3, "demo-default": 2e-3}
+    # with no chosen set yet, the sweep's best for every swept method is it
+    (tmp_path / "rates.json").unlink()
+    parity.main(["run", "--corpora", "prose", "--methods", "ddp", "--steps", "10", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "rates.json").read_text()) == {"ddp": 1e-3, "demo-default": 2e-3, "ddp-signum-b0.9": 1e-3}
+    # a run that cannot start (no rate for a method) leaves the chosen set as it was
+    with pytest.raises(SystemExit, match="no learning rate for"):
+        parity.main(["run", "--corpora", "prose", "--methods", "demo-signum-b0.9", "--steps", "10", "--out", str(tmp_path)])
+    assert len(json.loads((tmp_path / "rates.json").read_text())) == 3
+
+
 def test_a_method_whose_rates_share_no_seed_cannot_be_chosen(tmp_path: Path) -> None:
     cells = [{"method": "ddp", "lr": 1e-3, "seed": 0, "loss": 2.0}, {"method": "ddp", "lr": 2e-3, "seed": 1, "loss": 2.1}]
     (tmp_path / "sweep.json").write_text(json.dumps({"corpus": "stdlib", "size": "small", "world": 2, "steps": 10,
