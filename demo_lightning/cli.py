@@ -71,7 +71,7 @@ def _number(low: float, open_low: bool, integer: bool = False) -> Callable[[str]
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from demo_lightning.codec import SELECTIONS, VALUE_FORMATS
+    from demo_lightning.codec import POSITION_FORMATS, SELECTIONS, VALUE_FORMATS
     from demo_lightning.algorithms.config import DENSE_FORMATS
     from demo_lightning.planning import METHODS, SHARED_VALUE_FORMATS
 
@@ -97,6 +97,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=positive_int, default=64, help="DeMo tile side (default 64)")
     parser.add_argument("--value-format", choices=VALUE_FORMATS, default="sign", help="DeMo value format (default sign)")
     parser.add_argument("--selection", choices=[s for s in SELECTIONS], default="topk", help="DeMo selection of flat/hierarchical (default topk)")
+    parser.add_argument("--position-format", choices=POSITION_FORMATS, default="packed",
+                        help="top-k positions of flat/hierarchical: packed (fixed width, default) or elias_fano (sorted, about 2 + log2(tile / k) bits each)")
     parser.add_argument("--shared-value-format", choices=SHARED_VALUE_FORMATS, default=None,
                         help="value format of the shared methods (default: --value-format if a float format, else bf16)")
     parser.add_argument("--dense-below", type=_number(0, False, integer=True), default=1024, help="tensors with fewer elements are sent densely (default 1024)")
@@ -127,7 +129,7 @@ def plan_main(argv: Sequence[str]) -> None:
         parser.error("argument --keep-ratio: give --topk or --keep-ratio, not both")
     try:
         codec = CodecConfig(chunk=a.chunk, topk=a.topk, keep_ratio=a.keep_ratio, selection=a.selection, value_format=a.value_format,
-                            dense_below=a.dense_below, dense_vectors=a.dense_vectors, dense_format=a.dense_format, bucket_cap_mb=a.bucket_cap_mb)
+                            position_format=a.position_format, dense_below=a.dense_below, dense_vectors=a.dense_vectors, dense_format=a.dense_format, bucket_cap_mb=a.bucket_cap_mb)
     except ValueError as error:
         parser.error(f"codec settings: {error}")
     topology = NodeTopology(a.nodes * a.devices_per_node, a.devices_per_node)
@@ -154,6 +156,7 @@ def _plan_header(a: argparse.Namespace, codec: Any, shapes: list[tuple[int, ...]
         f"Links: {a.inter_gbps:g} Gbit/s per node between nodes (shared by its ranks), {a.intra_gbps:g} Gbit/s per rank inside a node; "
         f"latency {a.latency_ms:g} ms per inter-node hop, {a.intra_latency_ms:g} ms per intra-node hop; compute {a.step_compute_s:g} s per step.",
         f"Codec: chunk {codec.chunk}, {strength}, selection {codec.selection}, {codec.value_format} values"
+        + (", Elias-Fano positions" if codec.position_format == "elias_fano" else "")
         + (f" (shared methods: {shared} values, summed by an all-reduce)." if shared else "."),
         "Bytes are per rank per optimizer step, sent (= received); the node link carries its G ranks' inter-node bytes. "
         "Ring collectives, no overlap of compute and communication.",

@@ -11,7 +11,7 @@ from typing import Literal, Optional, get_args
 import torch
 
 from demo_lightning.codec import VALUE_FORMATS, TileLayout, ValueFormat, coefficients_per_tile, plan_tiles
-from demo_lightning.codec import DEFAULT_HEAD_SHARE, positions_nbytes, segment_nbytes, validate_strength
+from demo_lightning.codec import DEFAULT_HEAD_SHARE, POSITION_FORMATS, PositionFormat, positions_nbytes, segment_nbytes, validate_strength
 from demo_lightning.codec.bases import TRANSFORMS, Transform
 from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
 
@@ -121,6 +121,15 @@ class CodecConfig:
             group keeps the ``k`` positions of largest summed energy ``sum_m |K_m|^2`` over its members
             and sends them once, in its first member's segment; every member sends its own values
             there. ``1`` (the default): every tensor picks and sends its own.
+        position_format: how the positions of ``"topk"`` travel: ``"packed"`` (the default: each in
+            ``ceil(log2(chunk^2))`` bits, 12 for a 64 x 64 tile) or ``"elias_fano"`` (each tile's
+            positions sorted and Elias-Fano coded, about ``2 + log2(chunk^2 / k)`` bits each: 9 at k
+            32, 8 at k 64, 6 at k 256; where that is not smaller, e.g. k 1, the fixed width). Lossless:
+            the same coefficients are sent, on fewer bytes (:mod:`demo_lightning.codec.positions`);
+            with float values the training is the same as with ``"packed"`` bit for bit, with the
+            scaled ones (``"sign"``, int8, fp8) up to the last bit of each tile's scale, a mean then
+            summed in position order. Each tile's values go in ascending position order, so it cannot
+            be combined with ``value_format="mixed"`` (strongest first).
     """
 
     chunk: int = 64
@@ -135,6 +144,7 @@ class CodecConfig:
     fp16_share: float = DEFAULT_HEAD_SHARE
     transform: Transform = "dct"
     position_group_size: int = 1
+    position_format: PositionFormat = "packed"
 
     def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, "tile side; the paper uses 64")
@@ -172,6 +182,19 @@ class CodecConfig:
                 "for everybody): use selection='topk', or position_group_size=1"
             )
         check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per collective")
+        check_choice("position_format", self.position_format, POSITION_FORMATS,
+                     "how top-k positions travel: 'packed' (fixed width) or 'elias_fano' (sorted, fewer bits)")
+        if self.position_format == "elias_fano" and self.selection != "topk":
+            sent = "no positions" if self.selection == "lowpass" else "one worker's positions, broadcast bit-packed"
+            raise ValueError(
+                f"position_format='elias_fano' codes the positions each worker sends with selection='topk'; "
+                f"selection={self.selection!r} sends {sent}: use selection='topk', or position_format='packed'"
+            )
+        if self.position_format == "elias_fano" and self.value_format == "mixed":
+            raise ValueError(
+                "position_format='elias_fano' sends each tile's values in ascending position order, but "
+                "value_format='mixed' sends the strongest first (its fp16 head): use another value_format, or position_format='packed'"
+            )
 
     @property
     def strength(self) -> tuple[Optional[int], Optional[float]]:
@@ -243,6 +266,12 @@ class CodecConfig:
         sends the first ``fp16_share`` of them in fp16)."""
         return self.value_format == "mixed"
 
+    @property
+    def ascending_positions(self) -> bool:
+        """Whether the selection orders each tile's picks by position, ascending (Elias-Fano codes
+        sorted positions, :attr:`position_format`)."""
+        return self.position_format == "elias_fano"
+
     def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The wire dtype of a tensor of ``dtype`` sent densely (:attr:`dense_format`)."""
         return torch.bfloat16 if self.dense_format == "bf16" else compute_dtype(dtype)
@@ -262,7 +291,8 @@ class CodecConfig:
             return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize + positions_nbytes(layout.n_tiles, k, layout.tile_numel)
         if self.all_reduces:
             return layout.n_tiles * k * WIRE_DTYPES[self.value_format].itemsize
-        return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.value_format, self.sends_positions, self.fp16_share)
+        return segment_nbytes(layout.n_tiles, k, layout.tile_numel, self.value_format, self.sends_positions, self.fp16_share,
+                              self.position_format)
 
 
 @dataclass(frozen=True)

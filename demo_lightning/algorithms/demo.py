@@ -853,7 +853,8 @@ class DeMoExchange:
                     selected = self._shared_selection(plan, workspace)
                 for key, family in plan.families.items():
                     if codec.selection != "shared":
-                        selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family), codec.strongest_first)
+                        selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family),
+                                               codec.strongest_first, codec.ascending_positions)
                     elif want_curve:
                         write_magnitudes(family, momentum.storage[key], workspace.family(family))
                     if want_curve and energy is not None:

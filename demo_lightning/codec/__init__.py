@@ -25,6 +25,15 @@ from demo_lightning.codec.packing import (
     unpack_segments,
     values_nbytes,
 )
+from demo_lightning.codec.positions import (
+    POSITION_FORMATS,
+    PositionFormat,
+    elias_fano_bits,
+    elias_fano_decode,
+    elias_fano_encode,
+    position_bits,
+    position_coding,
+)
 from demo_lightning.codec.selection import (
     SELECTIONS,
     Selection,
@@ -43,6 +52,8 @@ __all__ = [
     "tile_transform",
     "transform_basis",
     "DEFAULT_HEAD_SHARE",
+    "POSITION_FORMATS",
+    "PositionFormat",
     "SELECTIONS",
     "VALUE_FORMATS",
     "Selection",
@@ -51,6 +62,9 @@ __all__ = [
     "coefficients_per_tile",
     "dct2",
     "dct_basis",
+    "elias_fano_bits",
+    "elias_fano_decode",
+    "elias_fano_encode",
     "from_tiles",
     "head_count",
     "idct2",
@@ -61,6 +75,8 @@ __all__ = [
     "pack_segment",
     "pack_segments",
     "plan_tiles",
+    "position_bits",
+    "position_coding",
     "quantize_values",
     "saturate",
     "saturation_limit",

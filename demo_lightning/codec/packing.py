@@ -2,11 +2,14 @@
 
 A segment for ``T`` tiles with ``k`` coefficients each is laid out as
 
-    [positions: T*k indices, bit-packed at ceil(log2(tile_numel)) bits]   (only when sent)
+    [positions: T*k indices, bit-packed at ceil(log2(tile_numel)) bits,
+                or T Elias-Fano codes of k positions each]                   (only when sent)
     [values: T*k values in the chosen value format (+ per-tile scales for fp8, int8, mixed and sign)]
 
 Index width: a tile of 4096 elements needs 12 bits, not the 64 of an int64 (the DeMo reference
-spends 8 of its 12 bytes per coefficient on indices).
+spends 8 of its 12 bytes per coefficient on indices); ``position_format="elias_fano"`` codes a tile's
+sorted positions in about ``2 + log2(tile_numel / k)`` bits each (9 at k 32 of 4096, 8 at k 64), see
+:mod:`demo_lightning.codec.positions`.
 
 Value formats:
 
@@ -67,6 +70,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from demo_lightning.codec.positions import PositionFormat, elias_fano_decode, elias_fano_encode, index_bits, position_bits, position_coding
+
 __all__ = [
     "DEFAULT_HEAD_SHARE",
     "VALUE_FORMATS",
@@ -111,13 +116,6 @@ def head_count(k: int, head_share: float = DEFAULT_HEAD_SHARE) -> int:
     if not 0.0 < head_share < 1.0:
         raise ValueError(f"head_share must lie in (0, 1) (the share of each tile's kept values sent in fp16), got {head_share!r}")
     return min(k, max(1, math.ceil(head_share * k - 1e-9)))
-
-
-def index_bits(tile_numel: int) -> int:
-    """Narrowest bit width that holds every flat index of a tile of ``tile_numel`` elements."""
-    if tile_numel < 1:
-        raise ValueError(f"tile_numel must be >= 1, got {tile_numel}")
-    return max(1, math.ceil(math.log2(tile_numel)))
 
 
 def pack_bits(values: Tensor, bits: int) -> Tensor:
@@ -279,16 +277,18 @@ def _value_field_sizes(n_tiles: int, k: int, value_format: str, head_share: floa
     return [n_tiles * _SCALE_BYTES, math.ceil(count / 8)]
 
 
-def positions_nbytes(n_tiles: int, k: int, tile_numel: int) -> int:
-    """Bytes of ``n_tiles * k`` in-tile positions bit-packed at :func:`index_bits` bits."""
-    return math.ceil(n_tiles * k * index_bits(tile_numel) / 8)
+def positions_nbytes(n_tiles: int, k: int, tile_numel: int, position_format: PositionFormat = "packed") -> int:
+    """Bytes of ``n_tiles`` tiles' ``k`` in-tile positions each, coded by ``position_format``
+    (:func:`~demo_lightning.codec.positions.position_bits` a tile), padded to a byte."""
+    return math.ceil(n_tiles * position_bits(k, tile_numel, position_format) / 8)
 
 
 def segment_nbytes(
-    n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool, head_share: float = DEFAULT_HEAD_SHARE
+    n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool, head_share: float = DEFAULT_HEAD_SHARE,
+    position_format: PositionFormat = "packed",
 ) -> int:
     """Bytes of one packed segment (see the module docstring for the layout)."""
-    position_bytes = positions_nbytes(n_tiles, k, tile_numel) if with_positions else 0
+    position_bytes = positions_nbytes(n_tiles, k, tile_numel, position_format) if with_positions else 0
     return position_bytes + values_nbytes(n_tiles, k, value_format, head_share)
 
 
@@ -302,7 +302,8 @@ def _from_bytes(buf: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def pack_segment(
-    positions: Tensor | None, values: Tensor, tile_numel: int, value_format: ValueFormat, head_share: float = DEFAULT_HEAD_SHARE
+    positions: Tensor | None, values: Tensor, tile_numel: int, value_format: ValueFormat, head_share: float = DEFAULT_HEAD_SHARE,
+    position_format: PositionFormat = "packed",
 ) -> tuple[Tensor, Tensor]:
     """Pack positions (optional) and values ``(T, k)`` into one ``uint8`` buffer.
 
@@ -310,15 +311,16 @@ def pack_segment(
         ``(buffer, decoded)``: the bytes, and the fp32 values that :func:`unpack_segment` will
         return for them (bit for bit), for the sender's error feedback.
     """
-    return pack_segments(positions, values, (values.shape[0],), tile_numel, value_format, head_share)
+    return pack_segments(positions, values, (values.shape[0],), tile_numel, value_format, head_share,
+                         position_format=position_format)
 
 
 def unpack_segment(
     buf: Tensor, n_tiles: int, k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool,
-    head_share: float = DEFAULT_HEAD_SHARE,
+    head_share: float = DEFAULT_HEAD_SHARE, position_format: PositionFormat = "packed",
 ) -> tuple[Tensor | None, Tensor]:
     """Inverse of :func:`pack_segment`: ``(positions or None, values as fp32)``, both ``(T, k)``."""
-    return unpack_segments(buf, (n_tiles,), k, tile_numel, value_format, with_positions, head_share)
+    return unpack_segments(buf, (n_tiles,), k, tile_numel, value_format, with_positions, head_share, position_format)
 
 @functools.lru_cache(maxsize=256)
 def _bit_field_index(counts: tuple[int, ...], bits: int, device: torch.device) -> tuple[int, Tensor | None]:
@@ -359,6 +361,23 @@ def _unpack_bit_fields(packed: Tensor, bits: int, counts: tuple[int, ...]) -> Te
     return (stream.view(-1, bits) * weights).sum(dim=1)
 
 
+def _pack_positions(positions: Tensor, k: int, tile_numel: int, carried: tuple[int, ...], position_format: PositionFormat) -> Tensor:
+    """The positions field: each segment's ``carried[i]`` positions (``k`` a row), coded, padded to a byte."""
+    if position_coding(k, tile_numel, position_format) == "packed":
+        return _pack_bit_fields(positions, index_bits(tile_numel), carried)
+    bits = elias_fano_encode(positions.reshape(-1, k), tile_numel)
+    return _pack_bit_fields(bits, 1, tuple(n // k * bits.shape[1] for n in carried))
+
+
+def _unpack_positions(field: Tensor, k: int, tile_numel: int, carried: tuple[int, ...], position_format: PositionFormat) -> Tensor:
+    """Inverse of :func:`_pack_positions`: the positions ``(sum(carried) // k, k)``."""
+    if position_coding(k, tile_numel, position_format) == "packed":
+        return _unpack_bit_fields(field, index_bits(tile_numel), carried).view(-1, k)
+    per_tile = position_bits(k, tile_numel, position_format)
+    bits = _unpack_bit_fields(field, 1, tuple(n // k * per_tile for n in carried))
+    return elias_fano_decode(bits.view(-1, per_tile), k, tile_numel)
+
+
 def _position_flags(counts: tuple[int, ...], with_positions: bool | Sequence[bool]) -> tuple[bool, ...]:
     """One flag per segment: whether it carries its positions (a bool applies to every segment)."""
     if isinstance(with_positions, bool):
@@ -370,12 +389,13 @@ def _position_flags(counts: tuple[int, ...], with_positions: bool | Sequence[boo
 
 
 def _field_sizes(
-    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, flags: tuple[bool, ...], head_share: float
+    tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, flags: tuple[bool, ...], head_share: float,
+    position_format: PositionFormat = "packed",
 ) -> list[list[int]]:
     """Per field (positions, scales, values, ...) in wire order, the bytes each segment gives it."""
     fields = []
     if any(flags):
-        fields.append([math.ceil(t * k * index_bits(tile_numel) / 8) if f else 0 for t, f in zip(tiles, flags)])
+        fields.append([positions_nbytes(t, k, tile_numel, position_format) if f else 0 for t, f in zip(tiles, flags)])
     per_segment = [_value_field_sizes(t, k, value_format, head_share) for t in tiles]
     fields.extend([sizes[f] for sizes in per_segment] for f in range(len(per_segment[0])))
     return fields
@@ -384,13 +404,13 @@ def _field_sizes(
 @functools.lru_cache(maxsize=256)
 def _interleave_index(
     tiles: tuple[int, ...], k: int, tile_numel: int, value_format: str, flags: tuple[bool, ...], device: torch.device,
-    head_share: float = DEFAULT_HEAD_SHARE,
+    head_share: float = DEFAULT_HEAD_SHARE, position_format: PositionFormat = "packed",
 ) -> Tensor | None:
     """Index that turns field-major bytes (every segment's positions, then every scale, ...) into
     segment-major wire order (segment 0's fields, then segment 1's, ...); ``None`` for one segment."""
     if len(tiles) == 1:
         return None
-    fields = _field_sizes(tiles, k, tile_numel, value_format, flags, head_share)
+    fields = _field_sizes(tiles, k, tile_numel, value_format, flags, head_share, position_format)
     starts, base = [], 0
     for sizes in fields:
         starts.append([base + sum(sizes[:i]) for i in range(len(tiles))])
@@ -401,9 +421,13 @@ def _interleave_index(
 
 def pack_segments(
     positions: Tensor | None, values: Tensor, tiles: Sequence[int], tile_numel: int, value_format: ValueFormat,
-    head_share: float = DEFAULT_HEAD_SHARE, positioned: Sequence[bool] | None = None,
+    head_share: float = DEFAULT_HEAD_SHARE, positioned: Sequence[bool] | None = None, position_format: PositionFormat = "packed",
 ) -> tuple[Tensor, Tensor]:
     """Pack consecutive segments of ``tiles[i]`` rows each, as :func:`pack_segment` would one by one.
+
+    ``position_format="elias_fano"`` codes each tile's positions as
+    :mod:`~demo_lightning.codec.positions` says, where that is smaller than the fixed width; the
+    positions must then be strictly ascending in each row (and the values in their order).
 
     ``values`` are ``(sum(tiles), k)``; ``positions`` the same rows, or (``positioned`` given: one
     flag per segment) only the rows of the segments whose flag is set, which alone carry positions.
@@ -424,15 +448,15 @@ def pack_segments(
         assert positions is not None
         if positions.numel() != sum(carried):
             raise ValueError(f"positions hold {positions.numel()} entries, the segments that carry them {sum(carried)}")
-        parts.insert(0, _pack_bit_fields(positions, index_bits(tile_numel), carried))
+        parts.insert(0, _pack_positions(positions, k, tile_numel, carried, position_format))
     buf = torch.cat(parts) if len(parts) > 1 else parts[0]
-    interleave = _interleave_index(counts, k, tile_numel, value_format, flags, buf.device, head_share)
+    interleave = _interleave_index(counts, k, tile_numel, value_format, flags, buf.device, head_share, position_format)
     return (buf if interleave is None else buf[interleave]), decoded
 
 
 def unpack_segments(
     buf: Tensor, tiles: Sequence[int], k: int, tile_numel: int, value_format: ValueFormat, with_positions: bool | Sequence[bool],
-    head_share: float = DEFAULT_HEAD_SHARE,
+    head_share: float = DEFAULT_HEAD_SHARE, position_format: PositionFormat = "packed",
 ) -> tuple[Tensor | None, Tensor]:
     """Inverse of :func:`pack_segments`: ``(positions or None, values as fp32)``; values are
     ``(sum(tiles), k)``, positions the rows of the segments that carry them (``with_positions``: a
@@ -441,21 +465,21 @@ def unpack_segments(
     counts = tuple(int(t) for t in tiles)
     flags = _position_flags(counts, with_positions)
     n_tiles = sum(counts)
-    expected = sum(segment_nbytes(t, k, tile_numel, value_format, f, head_share) for t, f in zip(counts, flags))
+    expected = sum(segment_nbytes(t, k, tile_numel, value_format, f, head_share, position_format) for t, f in zip(counts, flags))
     if buf.numel() != expected:
         raise ValueError(f"segment{'s' if len(counts) > 1 else ''} of {counts} tiles x {k} hold {buf.numel()} bytes, expected {expected}")
-    order = _interleave_index(counts, k, tile_numel, value_format, flags, buf.device, head_share)
+    order = _interleave_index(counts, k, tile_numel, value_format, flags, buf.device, head_share, position_format)
     if order is not None:
         fields = torch.empty_like(buf)
         fields[order] = buf
         buf = fields
-    sizes = [sum(f) for f in _field_sizes(counts, k, tile_numel, value_format, flags, head_share)]
+    sizes = [sum(f) for f in _field_sizes(counts, k, tile_numel, value_format, flags, head_share, position_format)]
     chunks = list(torch.split(buf, sizes))
     positions = None
     per_segment = tuple(t * k for t in counts)
     if any(flags):
         carried = tuple(n for n, f in zip(per_segment, flags) if f)
-        positions = _unpack_bit_fields(chunks.pop(0), index_bits(tile_numel), carried).view(-1, k)
+        positions = _unpack_positions(chunks.pop(0), k, tile_numel, carried, position_format)
     if value_format in _FLOAT_FORMATS:
         return positions, _from_bytes(chunks[0], _FLOAT_FORMATS[value_format]).to(torch.float32).view(n_tiles, k)
     if value_format in _SCALED_FORMATS:

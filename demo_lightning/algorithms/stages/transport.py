@@ -103,7 +103,7 @@ class _GatheredBucket:
                     shared = cfg.sends_positions and run.shares_positions
                     positions, values = unpack_segments(
                         rank_buf[offset : offset + run.nbytes], run.tiles, run.family.k, run.family.tile_numel,
-                        cfg.value_format, run.positioned if shared else cfg.sends_positions, cfg.fp16_share,
+                        cfg.value_format, run.positioned if shared else cfg.sends_positions, cfg.fp16_share, cfg.position_format,
                     )
                     if shared:  # position groups: every member's rows from its carrier's
                         positions = positions.index_select(0, run.position_rows)  # type: ignore[union-attr]
@@ -132,7 +132,7 @@ class AllGatherTransport:
                 if positions is not None and run.shares_positions:  # position groups: carriers' rows only
                     positions, positioned = positions.index_select(0, run.carrier_rows), run.positioned
                 buf, decoded = pack_segments(positions, out.values, run.tiles, run.family.tile_numel, cfg.value_format,
-                                             cfg.fp16_share, positioned)
+                                             cfg.fp16_share, positioned, cfg.position_format)
                 buffers.append(buf)
                 sent.append(decoded.to(out.values.dtype))
             payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
