@@ -188,3 +188,20 @@ def test_des_locs_compressed_parameter_mean_takes_the_coding_too() -> None:
         out[position_format] = (mean, sent, comm.ledger.total_payload_bytes)
     assert torch.equal(out["packed"][0], out["elias_fano"][0]) and torch.equal(out["packed"][1], out["elias_fano"][1])
     assert out["packed"][2] - out["elias_fano"][2] == 8 * (32 * 12 - 32 * 9) // 8
+
+
+def test_the_plan_models_the_coded_positions(capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo-lightning plan --position-format elias_fano``: the flat exchange's bytes fall, the shared
+    methods' (whose positions are one worker's, broadcast bit-packed) stay."""
+    from demo_lightning.cli import plan_main
+
+    rows = {}
+    for position_format in ("packed", "elias_fano"):
+        plan_main(["--params", "2e6", "--nodes", "2", "--devices-per-node", "2", "--position-format", position_format])
+        out = capsys.readouterr().out
+        assert ("Elias-Fano positions" in out) == (position_format == "elias_fano")
+        rows[position_format] = {line.split()[0]: line.split()[-1] for line in out.splitlines()
+                                 if line.split() and line.split()[0] in ("flat", "shared")}
+    ratio = {fmt: {m: float(r.rstrip("x")) for m, r in by.items()} for fmt, by in rows.items()}
+    assert ratio["elias_fano"]["flat"] > 1.2 * ratio["packed"]["flat"]
+    assert ratio["elias_fano"]["shared"] == ratio["packed"]["shared"]

@@ -118,13 +118,16 @@ def elias_fano_encode(positions: Tensor, tile_numel: int) -> Tensor:
 def elias_fano_decode(bits: Tensor, k: int, tile_numel: int) -> Tensor:
     """Inverse of :func:`elias_fano_encode`: ``bits`` ``(R, elias_fano_bits(k, n))`` (any integer or
     bool dtype) to the positions ``(R, k)`` int64, ascending per row. No data-dependent shapes (no
-    host sync): the upper vector's set bits are found by a stable sort."""
+    host sync): the upper vector's set bits are found by a running count and one scatter."""
     rows = bits.shape[0]
     low_bits = elias_fano_low_bits(k, tile_numel)
     bits = bits.to(torch.int64)
     upper = bits[:, k * low_bits:]
-    # the k set bits' indices, ascending: a stable sort puts the ones (keyed 0) first in their order
-    set_at = torch.sort(1 - upper, dim=1, stable=True).indices[:, :k]
+    # the k set bits' indices, ascending: the i-th one (by a running count) lands in column i; the zeros
+    # go to a spare column k, dropped
+    column = torch.where(upper.bool(), upper.cumsum(dim=1) - 1, k)
+    where = torch.arange(upper.shape[1], dtype=torch.int64, device=bits.device).expand_as(upper)
+    set_at = torch.zeros(rows, k + 1, dtype=torch.int64, device=bits.device).scatter_(1, column, where)[:, :k]
     high = set_at - torch.arange(k, dtype=torch.int64, device=bits.device)
     if low_bits == 0:
         return high
