@@ -115,8 +115,7 @@ class CompressedMean:
             with stage_range(CODEC.transform):
                 transform_into(plan, inputs, spectra, workspace)
             with stage_range(CODEC.select):
-                selected = {key: select(f, spectra[key], self.config.selection, workspace.family(f), self.config.strongest_first,
-                                        self.config.ascending_positions)
+                selected = {key: select(f, spectra[key], self.config.selection, workspace.family(f), self.config.strongest_first)
                             for key, f in plan.families.items()}
         with stage_range(CODEC.transport):
             pending = [

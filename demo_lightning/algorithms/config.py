@@ -125,11 +125,10 @@ class CodecConfig:
             ``ceil(log2(chunk^2))`` bits, 12 for a 64 x 64 tile) or ``"elias_fano"`` (each tile's
             positions sorted and Elias-Fano coded, about ``2 + log2(chunk^2 / k)`` bits each: 9 at k
             32, 8 at k 64, 6 at k 256; where that is not smaller, e.g. k 1, the fixed width). Lossless:
-            the same coefficients are sent, on fewer bytes (:mod:`demo_lightning.codec.positions`);
-            with float values the training is the same as with ``"packed"`` bit for bit, with the
-            scaled ones (``"sign"``, int8, fp8) up to the last bit of each tile's scale, a mean then
-            summed in position order. Each tile's values go in ascending position order, so it cannot
-            be combined with ``value_format="mixed"`` (strongest first).
+            the same coefficients, scales and decoded values as ``"packed"``, so the same training
+            bit for bit, on fewer bytes (:mod:`demo_lightning.codec.positions`). Each tile's values
+            go on the wire in ascending position order, so it cannot be combined with
+            ``value_format="mixed"`` (strongest first).
     """
 
     chunk: int = 64
@@ -265,12 +264,6 @@ class CodecConfig:
         """Whether the selection orders each tile's values by magnitude, largest first (``"mixed"``
         sends the first ``fp16_share`` of them in fp16)."""
         return self.value_format == "mixed"
-
-    @property
-    def ascending_positions(self) -> bool:
-        """Whether the selection orders each tile's picks by position, ascending (Elias-Fano codes
-        sorted positions, :attr:`position_format`)."""
-        return self.position_format == "elias_fano"
 
     def dense_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The wire dtype of a tensor of ``dtype`` sent densely (:attr:`dense_format`)."""

@@ -853,8 +853,7 @@ class DeMoExchange:
                     selected = self._shared_selection(plan, workspace)
                 for key, family in plan.families.items():
                     if codec.selection != "shared":
-                        selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family),
-                                               codec.strongest_first, codec.ascending_positions)
+                        selected[key] = select(family, momentum.storage[key], codec.selection, workspace.family(family), codec.strongest_first)
                     elif want_curve:
                         write_magnitudes(family, momentum.storage[key], workspace.family(family))
                     if want_curve and energy is not None:

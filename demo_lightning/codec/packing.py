@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -196,20 +196,34 @@ def saturate(values: Tensor, value_format: ValueFormat, summands: int = 1) -> Te
 
 
 def _encode_values(
-    values: Tensor, value_format: ValueFormat, segments: tuple[int, ...] | None = None, head_share: float = DEFAULT_HEAD_SHARE
+    values: Tensor, value_format: ValueFormat, segments: tuple[int, ...] | None = None, head_share: float = DEFAULT_HEAD_SHARE,
+    wire_order: Tensor | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Encode ``values`` ``(T, k)``: the wire bytes per field and the fp32 values a receiver will decode.
 
     ``segments``: values per segment (default one segment); sign bits are byte-aligned per segment.
+    ``wire_order`` ``(T, k)``: each row's values go on the wire in this order (Elias-Fano positions
+    travel sorted); the per-tile scales and the decoded values (returned in the given order) are
+    computed from the values as given, so they are bit for bit those of the unpermuted encoding.
     """
     _check_format(value_format)
+
+    def wire(x: Tensor) -> Tensor:  # an element-wise field in wire order (float8 gathered as its bytes)
+        if wire_order is None:
+            return x
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return x.view(torch.uint8).gather(1, wire_order).view(x.dtype)
+        return x.gather(1, wire_order)
+
     values = saturate(values, "fp32")  # float64 beyond fp32's range: fp32's max, not inf (as below)
     if value_format in _FLOAT_FORMATS:
         narrow = saturate(values, value_format)
-        return [_as_bytes(narrow)], narrow.to(torch.float32)
+        return [_as_bytes(wire(narrow))], narrow.to(torch.float32)
     if value_format in _SCALED_FORMATS:
-        return _encode_scaled(values, value_format)
+        return _encode_scaled(values, value_format, wire)
     if value_format == "mixed":
+        if wire_order is not None:
+            raise ValueError("value_format='mixed' sends each tile's strongest values first; it takes no other wire order")
         h = head_count(values.shape[1], head_share)
         head = saturate(values[:, :h], "fp16")
         tail_parts, tail = _encode_scaled(values[:, h:], "int8")
@@ -221,11 +235,11 @@ def _encode_values(
     rescaled = peak * (magnitude / torch.where(peak > 0, peak, torch.ones_like(peak))).mean(dim=1, keepdim=True)
     scale = torch.where(torch.isinf(scale) & torch.isfinite(peak), rescaled, scale)
     positive = values >= 0
-    bits = _pack_bit_fields(positive, 1, segments if segments is not None else (positive.numel(),))
+    bits = _pack_bit_fields(wire(positive), 1, segments if segments is not None else (positive.numel(),))
     return [_as_bytes(scale), bits], _decode_sign(scale, positive)
 
 
-def _encode_scaled(values: Tensor, value_format: str) -> tuple[list[Tensor], Tensor]:
+def _encode_scaled(values: Tensor, value_format: str, wire: Callable[[Tensor], Tensor] = lambda x: x) -> tuple[list[Tensor], Tensor]:
     """fp8 / int8: a per-row scale ``s = max|v| / max_code`` (fp32) and one-byte codes of ``v / s``."""
     dtype, top = _SCALED_FORMATS[value_format]
     if values.shape[1] == 0:  # mixed with every value in the head: an empty tail still has its scale
@@ -240,7 +254,7 @@ def _encode_scaled(values: Tensor, value_format: str) -> tuple[list[Tensor], Ten
         codes = torch.round(scaled).clamp_(-top, top).to(torch.int8)
     else:  # round to nearest even in the float8 format; clamp first: a cast beyond its range gives NaN (e4m3) / inf
         codes = scaled.clamp(-top, top).to(dtype)
-    return [_as_bytes(scale), _as_bytes(codes)], _decode_scaled(scale, codes)
+    return [_as_bytes(scale), _as_bytes(wire(codes))], _decode_scaled(scale, codes)
 
 
 def _decode_scaled(scale: Tensor, codes: Tensor) -> Tensor:
@@ -422,12 +436,18 @@ def _interleave_index(
 def pack_segments(
     positions: Tensor | None, values: Tensor, tiles: Sequence[int], tile_numel: int, value_format: ValueFormat,
     head_share: float = DEFAULT_HEAD_SHARE, positioned: Sequence[bool] | None = None, position_format: PositionFormat = "packed",
+    wire_order: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pack consecutive segments of ``tiles[i]`` rows each, as :func:`pack_segment` would one by one.
 
     ``position_format="elias_fano"`` codes each tile's positions as
-    :mod:`~demo_lightning.codec.positions` says, where that is smaller than the fixed width; the
-    positions must then be strictly ascending in each row (and the values in their order).
+    :mod:`~demo_lightning.codec.positions` says, where that is smaller than the fixed width: each
+    row's positions go sorted, and every row's values in ``wire_order`` ``(sum(tiles), k)``, the
+    order that sorts its positions (by default ``positions.argsort(dim=1)``, which needs every
+    segment to carry positions; with position groups the caller gives it, members in their
+    carrier's order). The scales and the returned decoded values are those of the values as given,
+    so the sender's error feedback and the receivers' decoded sets are bit for bit ``"packed"``'s;
+    :func:`unpack_segments` returns the positions sorted, each value beside its own.
 
     ``values`` are ``(sum(tiles), k)``; ``positions`` the same rows, or (``positioned`` given: one
     flag per segment) only the rows of the segments whose flag is set, which alone carry positions.
@@ -442,12 +462,25 @@ def pack_segments(
         raise ValueError("positioned marks segments that carry positions, but no positions were given")
     k = values.shape[1]
     per_segment = tuple(t * k for t in counts)
-    parts, decoded = _encode_values(values, value_format, per_segment, head_share)
+    coded = any(flags) and position_coding(k, tile_numel, position_format) == "elias_fano"
+    ascending = None  # the carried positions, sorted (Elias-Fano)
+    if coded:
+        assert positions is not None
+        if wire_order is None:
+            if not all(flags):
+                raise ValueError("Elias-Fano positions with segments that carry none (position groups) need wire_order: "
+                                 "each row's order that sorts its (or its carrier's) positions")
+            ascending, wire_order = positions.reshape(-1, k).sort(dim=1)
+        else:
+            ascending = positions.reshape(-1, k).sort(dim=1).values
+    parts, decoded = _encode_values(values, value_format, per_segment, head_share, wire_order if coded else None)
     if any(flags):
         carried = tuple(n for n, f in zip(per_segment, flags) if f)
         assert positions is not None
         if positions.numel() != sum(carried):
             raise ValueError(f"positions hold {positions.numel()} entries, the segments that carry them {sum(carried)}")
+        if ascending is not None:
+            positions = ascending
         parts.insert(0, _pack_positions(positions, k, tile_numel, carried, position_format))
     buf = torch.cat(parts) if len(parts) > 1 else parts[0]
     interleave = _interleave_index(counts, k, tile_numel, value_format, flags, buf.device, head_share, position_format)

@@ -16,8 +16,9 @@ A worker that sends its own top-k sends, per tile of ``n`` elements, ``k`` disti
     ``U = k + ((n - 1) >> L) + 1`` bits. A tile takes ``k L + U`` bits, at most about ``k (2 +
     log2(n / k))``: within two bits a position of the information-theoretic minimum ``log2 C(n, k)``.
     For a 64 x 64 tile: 9 bits a position at k 32 (against 12), 8 at k 64, 6 at k 256. Decoding
-    returns the positions in ascending order, so the values must be sent in that order too (the
-    exchange's selection sorts each tile's picks when this coding is on).
+    returns the positions in ascending order, so the values travel in that order too
+    (:func:`~demo_lightning.codec.packing.pack_segments`' ``wire_order``; the scales are computed
+    before the reordering, so nothing decoded differs from the fixed width's).
 
 Where Elias-Fano would take more bits than the fixed width (a few positions in a big tile: ``k = 1``
 of 4,096 takes 14 bits against 12), :func:`position_bits` keeps the fixed width for that ``(k, n)``:
@@ -26,8 +27,8 @@ says which.
 
 Failure behaviour: the encoders do not check their input (a sync on an accelerator); positions
 outside ``[0, n)`` or, for Elias-Fano, not strictly ascending per tile decode to other positions.
-The exchange's selection produces valid ones by construction; the tests check every coding's round
-trip.
+The exchange's selection produces valid ones by construction (distinct positions; the packer sorts
+them); the tests check every coding's round trip.
 """
 
 from __future__ import annotations

@@ -137,8 +137,7 @@ def select_at(family: Family, storage: Tensor, positions: Tensor) -> Selected:
 
 
 def select(
-    family: Family, storage: Tensor, selection: Selection, magnitudes: Optional[Tensor] = None, strongest_first: bool = False,
-    ascending: bool = False,
+    family: Family, storage: Tensor, selection: Selection, magnitudes: Optional[Tensor] = None, strongest_first: bool = False
 ) -> Selected:
     """Choose ``k`` coefficients per tile of ``family`` from its flat ``storage``.
 
@@ -150,8 +149,6 @@ def select(
     Tensors of a position group (:attr:`Family.group_index`) take the ``k`` positions of largest
     summed energy ``sum_m |K_m|^2`` over the group's corresponding tiles (ordered by it with
     ``strongest_first``): one ``topk`` over the groups' rows, one gather back to every member.
-    ``ascending`` sorts each tile's top-k positions instead (``position_format="elias_fano"``
-    codes sorted positions); the set chosen is the same.
     """
     if selection == "lowpass":
         positions, offsets = family.lowpass_positions, family.lowpass_offsets
@@ -161,13 +158,10 @@ def select(
         tiles = write_magnitudes(family, storage, magnitudes)
         groups = family.group_index
         if groups is None:
-            chosen = torch.topk(tiles, family.k, dim=1, sorted=strongest_first).indices
-            return select_at(family, storage, chosen.sort(dim=1).values if ascending else chosen)
+            return select_at(family, storage, torch.topk(tiles, family.k, dim=1, sorted=strongest_first).indices)
         # position groups: per tile index, the k largest summed energies sum_m |K_m|^2 of the group's members
         energy = tiles.new_zeros(family.group_rows, family.tile_numel).index_add_(0, groups, tiles.square())
         chosen = torch.topk(energy, family.k, dim=1, sorted=strongest_first).indices
-        if ascending:
-            chosen = chosen.sort(dim=1).values
         return select_at(family, storage, chosen.index_select(0, groups))
     else:
         raise ValueError(f"selection must be 'topk' or 'lowpass', got {selection!r}")

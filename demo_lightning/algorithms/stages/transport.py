@@ -40,7 +40,7 @@ from torch import Tensor
 
 from demo_lightning.algorithms.config import CodecConfig
 from demo_lightning.algorithms.stages.plan import Run
-from demo_lightning.codec import pack_segments, saturate, unpack_segments
+from demo_lightning.codec import pack_segments, position_coding, saturate, unpack_segments
 from demo_lightning.comm import CollectiveWork, Communicator
 from demo_lightning.profiling import CODEC, StageNames, stage_range
 
@@ -128,11 +128,13 @@ class AllGatherTransport:
             for out in bucket:
                 run = out.run
                 positions: Optional[Tensor] = out.positions if cfg.sends_positions else None
-                positioned = None
+                positioned, wire_order = None, None
                 if positions is not None and run.shares_positions:  # position groups: carriers' rows only
+                    if position_coding(run.family.k, run.family.tile_numel, cfg.position_format) == "elias_fano":
+                        wire_order = positions.argsort(dim=1)  # every row: members in their carrier's order
                     positions, positioned = positions.index_select(0, run.carrier_rows), run.positioned
                 buf, decoded = pack_segments(positions, out.values, run.tiles, run.family.tile_numel, cfg.value_format,
-                                             cfg.fp16_share, positioned, cfg.position_format)
+                                             cfg.fp16_share, positioned, cfg.position_format, wire_order)
                 buffers.append(buf)
                 sent.append(decoded.to(out.values.dtype))
             payload = torch.cat(buffers) if len(buffers) > 1 else buffers[0]
