@@ -323,7 +323,8 @@ def pack_segment(
 
     Returns:
         ``(buffer, decoded)``: the bytes, and the fp32 values that :func:`unpack_segment` will
-        return for them (bit for bit), for the sender's error feedback.
+        return for them (bit for bit; in position order under Elias-Fano positions), for the
+        sender's error feedback.
     """
     return pack_segments(positions, values, (values.shape[0],), tile_numel, value_format, head_share,
                          position_format=position_format)
