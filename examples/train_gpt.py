@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decay", type=float, default=None, help="default: the strategy's (0.99)")
     p.add_argument("--value-format", default=None, help="default: the strategy's (sign)")
     p.add_argument("--selection", default="topk")
+    p.add_argument("--position-format", default="packed", choices=["packed", "elias_fano"],
+                   help="top-k positions on the wire: packed (12 bits each, the default) or elias_fano (sorted, "
+                        "Elias-Fano coded: the same training on about a quarter fewer bytes)")
     p.add_argument("--update", default="sign")
     p.add_argument("--param-sync-every", type=int, default=None, help="DES-LOC parameter period (desloc: default 16)")
     p.add_argument("--state-sync-every", default=None, help="DES-LOC state periods, e.g. exp_avg=48,exp_avg_sq=96")
@@ -97,12 +100,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         codec = {k: v for k, v in (("decay", args.decay), ("value_format", args.value_format)) if v is not None}
         strategy: Any = demo_lightning.DeMoStrategy(
             chunk=args.chunk, topk=args.topk, keep_ratio=args.keep_ratio, selection=args.selection,
-            update=args.update, param_sync_every=args.param_sync_every, state_sync_every=states, **codec,
+            position_format=args.position_format, update=args.update, param_sync_every=args.param_sync_every, state_sync_every=states, **codec,
         )
     elif args.strategy == "desloc":
         strategy = demo_lightning.DesLocStrategy(
             param_sync_every=args.param_sync_every or 16, state_sync_every=states, compress_params=args.compress_params,
             chunk=args.chunk, topk=args.topk, keep_ratio=args.keep_ratio, value_format=args.value_format or "sign",
+            position_format=args.position_format,
         )
     else:
         strategy = "ddp"
