@@ -352,6 +352,12 @@ METHODS["demo-sign-signum-b0.9"] = Method(
     "DeMo, strategy=\"demo\"'s defaults (update=\"sign\"), Signum beta 0.9 over the per-step signs",
     "demo", "signum", DEMO_LR, dict(SCREENS_EARLY_PHASE), momentum=0.9,
 )
+# issue 18 made Elias-Fano positions the default (position_format="auto"). They are lossless, so every stored cell's loss
+# stands; every row but "demo-default" keeps the fixed-width positions it was measured with, so its bytes re-run as they
+# were too ("demo-default" cells measured before the change carry the fixed width's bytes: their latest.json says which)
+for _name, _method in list(METHODS.items()):
+    if _name != "demo-default" and (_method.kind == "demo" or _method.options.get("compress_params")):
+        METHODS[_name] = replace(_method, options={"position_format": "packed", **_method.options})
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -561,6 +567,7 @@ def worker(args: argparse.Namespace) -> None:
         "rows": recorder.rows, "val_curve": recorder.val_curve, "val_acc_curve": recorder.val_acc_curve, "ddp_allreduce_s": allreduce_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "sync_periods": sync_periods(trainer.strategy),
+        "position_format": position_format(trainer.strategy),
         "stage_exclusive_s": recorder.stages.snapshot()["exclusive"] if recorder.stages is not None else {},
         "exchange_timing": recorder.timing,
         "library": str(Path(demo_lightning.__file__).resolve().parent.parent),  # which demo_lightning ran
@@ -569,6 +576,16 @@ def worker(args: argparse.Namespace) -> None:
     if dist.is_initialized():  # leave together and close the group: gloo's threads abort a process exiting with it open
         dist.barrier()
         dist.destroy_process_group()
+
+
+def position_format(strategy: Any) -> str | None:
+    """How the run's top-k positions travelled (``"packed"`` or ``"elias_fano"``), ``None`` where no codec
+    sent positions (DDP, DES-LOC without ``compress_params``). Cells written before issue 18 made
+    Elias-Fano the default lack the key: theirs were ``"packed"``."""
+    demo = getattr(strategy, "demo_config", None)
+    desloc = getattr(strategy, "desloc_config", None)
+    codec = demo.codec if demo is not None else (desloc.codec if desloc is not None and desloc.compress_params else None)
+    return codec.position_format if codec is not None and codec.sends_positions else None
 
 
 def sync_periods(strategy: Any) -> dict[str, int]:
@@ -678,6 +695,7 @@ def merge(name: str, ranks: list[dict[str, Any]], warmup: int, options: list[str
         "modeled_comm_s_per_step": modeled_comm,
         "train_loss": [r["loss"] for r in rows], "cumulative_sent_bytes": cumulative, "library": r0.get("library"),
         "sync_periods": r0.get("sync_periods", {}),
+        **({"position_format": r0["position_format"]} if r0.get("position_format") else {}),
         **({"period_changes": changes} if changes else {}),
         **({"options": list(options)} if options and method.kind != "ddp" else {}),
     }

@@ -353,7 +353,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         "# Communication at scale (modelled)",
         "",
         f"Command: `{' '.join(['python benchmarks/scale.py', *(argv if argv is not None else sys.argv[1:])])}`. "
-        f"Codec: chunk {codec.chunk}, {strength_text(codec)}, {codec.value_format} values (shared methods: "
+        f"Codec: chunk {codec.chunk}, {strength_text(codec)}, {codec.value_format} values, "
+        f"{'Elias-Fano' if codec.position_format == 'elias_fano' else 'fixed-width'} positions (shared methods: "
         f"{codec.value_format if codec.value_format in ('fp32', 'bf16', 'fp16') else 'bf16'}); intra-node {args.intra_gbps:g} Gbit/s per rank; "
         f"latency {args.latency_ms:g} ms per inter-node hop, {args.intra_latency_ms:g} ms per intra-node hop. "
         "Bytes: per worker per optimizer step on the inter-node link (the ledger's charge); in brackets DDP's / this. "

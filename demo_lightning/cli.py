@@ -71,8 +71,8 @@ def _number(low: float, open_low: bool, integer: bool = False) -> Callable[[str]
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from demo_lightning.codec import POSITION_FORMATS, SELECTIONS, VALUE_FORMATS
-    from demo_lightning.algorithms.config import DENSE_FORMATS
+    from demo_lightning.codec import SELECTIONS, VALUE_FORMATS
+    from demo_lightning.algorithms.config import DENSE_FORMATS, POSITION_FORMAT_SETTINGS
     from demo_lightning.planning import METHODS, SHARED_VALUE_FORMATS
 
     parser = argparse.ArgumentParser(
@@ -97,8 +97,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=positive_int, default=64, help="DeMo tile side (default 64)")
     parser.add_argument("--value-format", choices=VALUE_FORMATS, default="sign", help="DeMo value format (default sign)")
     parser.add_argument("--selection", choices=[s for s in SELECTIONS], default="topk", help="DeMo selection of flat/hierarchical (default topk)")
-    parser.add_argument("--position-format", choices=POSITION_FORMATS, default="packed",
-                        help="top-k positions of flat/hierarchical: packed (fixed width, default) or elias_fano (sorted, about 2 + log2(tile / k) bits each)")
+    parser.add_argument("--position-format", choices=POSITION_FORMAT_SETTINGS, default="auto",
+                        help="top-k positions of flat/hierarchical: auto (default: elias_fano unless --value-format mixed or another "
+                        "--selection), packed (fixed width) or elias_fano (sorted, about 2 + log2(tile / k) bits each)")
     parser.add_argument("--shared-value-format", choices=SHARED_VALUE_FORMATS, default=None,
                         help="value format of the shared methods (default: --value-format if a float format, else bf16)")
     parser.add_argument("--dense-below", type=_number(0, False, integer=True), default=1024, help="tensors with fewer elements are sent densely (default 1024)")

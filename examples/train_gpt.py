@@ -59,9 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decay", type=float, default=None, help="default: the strategy's (0.99)")
     p.add_argument("--value-format", default=None, help="default: the strategy's (sign)")
     p.add_argument("--selection", default="topk")
-    p.add_argument("--position-format", default="packed", choices=["packed", "elias_fano"],
-                   help="top-k positions on the wire: packed (12 bits each, the default) or elias_fano (sorted, "
-                        "Elias-Fano coded: the same training on about a quarter fewer bytes)")
+    p.add_argument("--position-format", default="auto", choices=["auto", "packed", "elias_fano"],
+                   help="top-k positions on the wire: auto (the default: elias_fano where it applies), packed (12 bits "
+                        "each) or elias_fano (sorted, Elias-Fano coded: the same training on about a quarter fewer bytes)")
     p.add_argument("--update", default="sign")
     p.add_argument("--param-sync-every", type=int, default=None, help="DES-LOC parameter period (desloc: default 16)")
     p.add_argument("--state-sync-every", default=None, help="DES-LOC state periods, e.g. exp_avg=48,exp_avg_sq=96")

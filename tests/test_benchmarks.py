@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from demo_lightning import DeMoStrategy, DesLocStrategy
 from demo_lightning.models import GPT
 
 ROOT = Path(__file__).parent.parent
@@ -21,14 +22,22 @@ STAGES = {
 }
 
 
-def _topk_payload(shape: tuple[int, ...], value_format: str, chunk: int = 64, k: int = 64) -> int:
-    """Bytes of one tensor's top-k segment, from the wire layout (12-bit positions, then values)."""
+def _topk_payload(shape: tuple[int, ...], value_format: str, chunk: int = 64, k: int = 64, positions_as: str = "elias_fano") -> int:
+    """Bytes of one tensor's top-k segment, from the wire layout (positions, then values): each position in
+    ``ceil(log2 n)`` bits (``"packed"``), or a tile's ``k`` sorted positions as their Elias-Fano code, ``k``
+    low parts of ``L = floor(log2(n / k))`` bits and a unary high part of ``k + ((n - 1) >> L) + 1`` bits,
+    where that is smaller (the default, ``"auto"``)."""
     rows, cols = (1, shape[0]) if len(shape) == 1 else (shape[0], math.prod(shape[1:]))
     tr, tc = min(chunk, rows), min(chunk, cols)
     tiles = math.ceil(rows / tr) * math.ceil(cols / tc)
-    k = min(k, tr * tc)
+    n = tr * tc
+    k = min(k, n)
     count = tiles * k
-    positions = math.ceil(count * max(1, math.ceil(math.log2(tr * tc))) / 8)
+    per_tile = k * max(1, math.ceil(math.log2(n)))
+    if positions_as == "elias_fano":
+        low = int(math.log2(n // k)) if 2 * k <= n else 0
+        per_tile = min(per_tile, k * low + k + ((n - 1) >> low) + 1)
+    positions = math.ceil(tiles * per_tile / 8)
     values = {"fp32": 4 * count, "bf16": 2 * count, "int8": 4 * tiles + count, "sign": 4 * tiles + math.ceil(count / 8)}
     return positions + values[value_format]
 
@@ -78,8 +87,9 @@ def test_codec_benchmark_quick_runs_and_its_byte_table_matches_the_ledger_formul
         assert topk(cross) > ddp(cross) and topk(cross - 1) <= ddp(cross - 1), (label, cross)
         for w, row in rows.items():
             assert (row[label]["received"] > row["ddp"]["received"]) == (w >= cross), (label, w, cross)
-    # the sign default's crossover is the README's "about 2 * 4 * 4096 / 108 ~ 300 workers"
-    assert 280 <= table["crossover"]["topk sign"]["world_size"] <= 310
+    # the sign default's crossover at k 64: about 2 * 4 * 4096 / 76 ~ 430 workers (64 + 8 + 4 bytes a tile; 108 and
+    # ~300 with fixed-width positions)
+    assert 410 <= table["crossover"]["topk sign"]["world_size"] <= 440
     for fmt in ("bf16", "fp32"):  # low-pass all-reduces: a constant ratio to DDP, never crosses
         assert table["crossover"][f"lowpass {fmt}"]["world_size"] is None
         assert all(row[f"lowpass {fmt}"]["received"] < row["ddp"]["received"] for row in rows.values())
@@ -127,9 +137,10 @@ def test_compare_quick_run_writes_records_plots_and_a_table_that_rerenders(tmp_p
     assert ddp["bytes_sent_per_step"] == ddp["bytes_received_per_step"] == 4 * n and ddp["exchange_share"] == 0
     # ours, before any DES-LOC sync: the top-k sign payload (all-gathered: (W-1) x payload), the dense
     # tensors' fp32 all-reduce and the guard's 9 bytes (its flag byte and the exchange's plan digest), exactly
-    payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
+    payload = sum(_topk_payload(tuple(p.shape), "sign", positions_as="packed") for p in params if p.numel() >= 4096)
     dense = sum(4 * p.numel() for p in params if p.numel() < 4096)  # demo+desloc keeps fp32 norms (compare.PREVIOUS_DEFAULTS)
     assert ours["bytes_sent_per_step"] == ours["bytes_received_per_step"] == payload + dense + 9
+    assert ours["position_format"] == "packed" and "position_format" not in ddp  # the coding the run used, recorded
     assert ours["ratio_vs_ddp"] > 50 and 0 < ours["exchange_share"] < 1
     # long run: the parameter average (every 256) and the residual average (every 512), which 6 steps
     # never hold, each at one fp32 all-reduce of every parameter; DDP has no periodic average
@@ -166,7 +177,7 @@ def test_compare_digits_task_trains_the_resnet_and_records_accuracy_and_exact_by
     net = timm.create_model(compare.DIGITS_MODEL, pretrained=False, num_classes=10, in_chans=3, **compare.DIGITS_KWARGS)
     params = [p for p in net.parameters() if p.requires_grad]
     assert record["n_trainable"] == sum(p.numel() for p in params) == meta["n_trainable"] and meta["corpus"] == "digits"
-    payload = sum(_topk_payload(tuple(p.shape), "sign") for p in params if p.numel() >= 4096)
+    payload = sum(_topk_payload(tuple(p.shape), "sign", positions_as="packed") for p in params if p.numel() >= 4096)
     dense = sum(4 * p.numel() for p in params if p.numel() < 4096)  # demo-sign1bit keeps fp32 norms (compare.PREVIOUS_DEFAULTS)
     assert record["bytes_sent_per_step"] == payload + dense + 9  # 2 workers: one all-gathered payload, dense all-reduce, guard
     assert [s for s, _ in record["val_acc_curve"]] == [3] and 0 <= record["final_val_acc"] <= 1
@@ -177,13 +188,29 @@ def test_compare_digits_task_trains_the_resnet_and_records_accuracy_and_exact_by
         compare.parse_args(["--corpus", str(tmp_path / "no-such-text")])
 
 
+def test_only_the_default_row_follows_the_default_position_coding() -> None:
+    """Elias-Fano positions became the default (``"auto"``) after most cells were measured: every DeMo row but
+    ``demo-default`` (and every DES-LOC row through the codec) pins the fixed width it was measured with, so a
+    stored cell re-runs with its bytes, not only its loss."""
+    compare = _load_compare()
+    coded = {name: m.options.get("position_format") for name, m in compare.METHODS.items()
+             if m.kind == "demo" or m.options.get("compress_params")}
+    assert coded.pop("demo-default") is None and len(coded) > 20
+    assert set(coded.values()) == {"packed"}, {k: v for k, v in coded.items() if v != "packed"}
+    assert compare.position_format(DeMoStrategy()) == "elias_fano"
+    assert compare.position_format(DeMoStrategy(value_format="mixed")) == "packed"
+    assert compare.position_format(DeMoStrategy(selection="lowpass")) is None  # no positions sent
+    assert compare.position_format(DesLocStrategy()) is None  # averages whole tensors
+    assert compare.position_format(DesLocStrategy(compress_params=True)) == "elias_fano"
+
+
 def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() -> None:
     compare = _load_compare()
     base = compare.METHODS["demo-sign1bit"]
     got = compare.with_options(base, ["topk=256", "decay=0.999", "transform=haar"])
     # demo-sign1bit is the default before issue 18: no early phase, norms in fp32, dense under 4,096 elements only
-    # (compare.PREVIOUS_DEFAULTS)
-    pinned = {"early_steps": 0, "dense_format": "fp32", "dense_below": 4096, "dense_vectors": False}
+    # (compare.PREVIOUS_DEFAULTS), positions at the fixed width
+    pinned = {"position_format": "packed", "early_steps": 0, "dense_format": "fp32", "dense_below": 4096, "dense_vectors": False}
     assert got.options == {**pinned, "value_format": "sign", "topk": 256, "decay": 0.999, "transform": "haar"}
     assert got.kind == base.kind and got.lr == base.lr and got.optimizer == base.optimizer
     assert "topk=256" in got.description and base.options == {**pinned, "value_format": "sign"}  # unchanged

@@ -227,7 +227,10 @@ def test_three_gloo_workers_send_the_early_k_then_the_default_and_stay_identical
     assert all(r["k"] == [256, 256, 42, 42] for r in ranks)  # 256 a tile, the default k of 3 workers after
     for r, e, s in zip(ranks, early, steady):
         assert r["sent"][:2] == e["sent"][:2] and r["sent"][2:] == s["sent"][2:]
-        assert r["sent"][0] > 5 * s["sent"][0]
+        # 2 peers' payloads of 8 tiles each, by hand: Elias-Fano positions (the default), k L + k + (4095 >> L) + 1
+        # bits a tile (k 256: L 4, 1,536 bits; k 42: L 6, 358), a bit a value and a 4-byte scale a tile
+        payload = {k: 8 * bits // 8 + 8 * k // 8 + 8 * 4 for k, bits in ((256, 1536), (42, 358))}
+        assert r["sent"][0] - s["sent"][0] == 2 * (payload[256] - payload[42]) == 2784
     assert all(torch.equal(r["weight"], ranks[0]["weight"]) for r in ranks)
 
 

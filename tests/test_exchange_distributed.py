@@ -140,17 +140,21 @@ def _count_collective_bytes(rank: int, world: int, steps: int, config: dict) -> 
 # bytes per tile of the 32 values, by hand: bf16 2 each; fp8 1 each + a 4-byte scale; mixed (a quarter,
 # 8 values, in fp16) 2 x 8 + a 4-byte scale + 24 int8 codes
 VALUE_BYTES_PER_TILE = {"bf16": 32 * 2, "fp8_e4m3": 4 + 32, "mixed": 2 * 8 + 4 + 24}
+# bits per tile of the 32 positions: Elias-Fano by default (L = floor(log2(4096 / 32)) = 7: 32 x 7 low bits and a unary
+# part of 32 + (4095 >> 7) + 1 = 64), 12 each under "mixed" (its values go strongest first, so "auto" keeps the fixed width)
+POSITION_BITS_PER_TILE = {"bf16": 32 * 7 + 64, "fp8_e4m3": 32 * 7 + 64, "mixed": 32 * 12}
 
 
 @pytest.mark.parametrize("value_format", sorted(VALUE_BYTES_PER_TILE))
 def test_ledger_equals_bytes_handed_to_collectives_and_the_formula(tmp_path: Path, value_format: str) -> None:
     config = {"topk": 32, "dense_below": 100, "value_format": value_format}
     ranks = run_workers(_count_collective_bytes, 2, tmp_path, 3, config)
-    # closed form: 2-D tensors in 64x64 tiles, k=32, 12-bit positions + the values; bias: bf16 all-reduce (dense_format)
+    # closed form: 2-D tensors in 64x64 tiles, k=32, the positions + the values; bias: bf16 all-reduce (dense_format)
     n_2d = 128 * 192 + 64 * 64
-    topk_payload = n_2d // 4096 * (math.ceil(32 * 12 / 8) + VALUE_BYTES_PER_TILE[value_format])
+    topk_payload = n_2d // 4096 * (POSITION_BITS_PER_TILE[value_format] // 8 + VALUE_BYTES_PER_TILE[value_format])
     dense_payload = 50 * 2
-    assert topk_payload == segment_nbytes(n_2d // 4096, 32, 4096, value_format, True)
+    coding = "packed" if value_format == "mixed" else "elias_fano"
+    assert topk_payload == segment_nbytes(n_2d // 4096, 32, 4096, value_format, True, position_format=coding)
     for r in ranks:
         assert r["ledger_payload"] == r["handed"]  # every byte handed to a collective is in the ledger
         last = r["last"]

@@ -43,7 +43,8 @@ SCRIPT = Path(sys.executable).parent / "demo-lightning"
 
 # two 2-D tensors (6 + 1 tiles of 64x64) and a 50-vector sent densely
 SHAPES = [(128, 192), (64, 64), (50,)]
-CODEC = CodecConfig(topk=32, dense_below=100, value_format="bf16", dense_format="fp32")  # the hand formulas: 4 bytes a dense element
+# the hand formulas: 4 bytes a dense element, 12-bit positions (the default's Elias-Fano positions: tests/test_position_format.py)
+CODEC = CodecConfig(topk=32, dense_below=100, value_format="bf16", dense_format="fp32", position_format="packed")
 TILE_PAYLOAD = math.ceil(32 * 12 / 8) + 32 * 2  # 12-bit positions + bf16 values: 48 + 64 = 112 bytes per tile
 N_PARAMS = 128 * 192 + 64 * 64 + 50
 

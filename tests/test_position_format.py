@@ -125,7 +125,7 @@ def test_bad_settings_name_the_argument_and_the_fix(settings: dict[str, Any], me
 
 def test_the_payload_counts_the_coded_positions() -> None:
     # a 256 x 256 weight: 16 tiles; sign values: k bits and a 4-byte scale a tile
-    packed, coded = CodecConfig(topk=32), CodecConfig(topk=32, position_format="elias_fano")
+    packed, coded = CodecConfig(topk=32, position_format="packed"), CodecConfig(topk=32, position_format="elias_fano")
     assert packed.payload_bytes((256, 256)) == 16 * (32 * 12 + 32 + 32) // 8
     assert coded.payload_bytes((256, 256)) == 16 * (32 * 9 + 32 + 32) // 8
 
@@ -175,8 +175,8 @@ def test_three_gloo_workers_train_the_same_on_fewer_bytes(tmp_path: Path, settin
     selection's order either way), and each step's all-gather is smaller by the formula's difference
     (the default: 256 a tile for 2 exchanges, then the 3-worker k of 42; position groups: the second
     block sends values only)."""
-    packed = run_workers(_steps, 3, tmp_path / "packed", settings)
-    coded = run_workers(_steps, 3, tmp_path / "coded", {**settings, "position_format": "elias_fano"})
+    packed = run_workers(_steps, 3, tmp_path / "packed", {**settings, "position_format": "packed"})
+    coded = run_workers(_steps, 3, tmp_path / "coded", settings)  # the default, "auto": Elias-Fano here
     groups = settings.get("position_group_size", 1)
     ks = [settings["topk"]] * 4 if "topk" in settings else [256, 256, 42, 42]
     for p, c in zip(packed, coded):
@@ -187,6 +187,26 @@ def test_three_gloo_workers_train_the_same_on_fewer_bytes(tmp_path: Path, settin
         assert all(s > 0 for s in saved)
     assert all(torch.equal(r["weights"][0], coded[0]["weights"][0]) for r in coded)
     assert not torch.equal(packed[0]["weights"][0], run_workers(_steps, 3, tmp_path / "other", {**settings, "decay": 0.9})[0]["weights"][0])
+
+
+@pytest.mark.parametrize(("settings", "coding"), [
+    ({}, "elias_fano"),
+    ({"value_format": "fp32"}, "elias_fano"),
+    ({"position_group_size": 2}, "elias_fano"),
+    ({"value_format": "mixed"}, "packed"),
+    ({"selection": "lowpass"}, "packed"),
+    ({"selection": "shared", "value_format": "bf16"}, "packed"),
+    ({"position_format": "packed"}, "packed"),
+    ({"position_format": "elias_fano", "value_format": "int8"}, "elias_fano"),
+])
+def test_auto_is_elias_fano_wherever_it_applies(settings: dict[str, Any], coding: str) -> None:
+    """The default, ``"auto"``, resolves when the config is made: Elias-Fano where each worker sends its
+    own positions in any order (``"topk"``, values other than ``"mixed"``), the fixed width elsewhere
+    (where an explicit ``"elias_fano"`` is refused); an explicit coding stays as given. The strategies
+    and ``demo-lightning plan`` take the same setting."""
+    assert CodecConfig(**settings).position_format == coding
+    assert CodecConfig(**settings).payload_bytes((256, 256)) == CodecConfig(**{**settings, "position_format": coding}).payload_bytes((256, 256))
+    assert DeMoStrategy(**settings).demo_config.codec.position_format == coding
 
 
 def test_des_locs_compressed_parameter_mean_takes_the_coding_too() -> None:

@@ -38,7 +38,8 @@ LEADER = {0: 0, 2: 0, 4: 4, 1: 1, 3: 1}
 
 def _config(group: int, value_format: str = "fp32") -> DeMoConfig:
     return DeMoConfig.of(chunk=TILE, topk=K, value_format=value_format, dense_below=64, decay=DECAY, update="raw",
-                         position_group_size=group, dense_format="fp32")  # the hand counts: the dense tensor in fp32
+                         position_group_size=group, dense_format="fp32",  # the hand counts: the dense tensor in fp32,
+                         position_format="packed")  # fixed-width positions (with Elias-Fano: tests/test_position_format.py)
 
 
 def _run(rank: int, world: int, group: int, value_format: str) -> dict[str, Any]:

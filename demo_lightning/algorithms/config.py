@@ -11,13 +11,13 @@ from typing import Literal, Optional, get_args
 import torch
 
 from demo_lightning.codec import VALUE_FORMATS, TileLayout, ValueFormat, coefficients_per_tile, plan_tiles
-from demo_lightning.codec import DEFAULT_HEAD_SHARE, POSITION_FORMATS, PositionFormat, positions_nbytes, segment_nbytes, validate_strength
+from demo_lightning.codec import DEFAULT_HEAD_SHARE, PositionFormat, positions_nbytes, segment_nbytes, validate_strength
 from demo_lightning.codec.bases import TRANSFORMS, Transform
 from demo_lightning.validation import check_choice, check_int, check_number, check_optional_int
 
 __all__ = [
     "DENSE_FORMATS", "DEFAULT_TOPK", "DenseFormat", "GATHERED_PER_TILE", "MIN_DEFAULT_TOPK", "EXCHANGE_SELECTIONS", "WIRE_DTYPES", "CodecConfig", "ExchangeSelection",
-    "TensorCodec", "compute_dtype", "default_topk",
+    "POSITION_FORMAT_SETTINGS", "PositionFormatSetting", "TensorCodec", "compute_dtype", "default_topk", "resolve_position_format",
 ]
 
 DEFAULT_TOPK = 64
@@ -37,6 +37,22 @@ ExchangeSelection = Literal["topk", "lowpass", "shared"]
 """Which coefficients a worker sends: its own top-k per tile, the fixed lowest frequencies, or the
 positions one worker chose for everybody this step (``"shared"``, see :class:`CodecConfig`)."""
 EXCHANGE_SELECTIONS: tuple[str, ...] = get_args(ExchangeSelection)
+PositionFormatSetting = Literal["auto", "packed", "elias_fano"]
+"""A :class:`CodecConfig`'s ``position_format``: a wire coding, or ``"auto"`` (:func:`resolve_position_format`)."""
+POSITION_FORMAT_SETTINGS: tuple[str, ...] = get_args(PositionFormatSetting)
+
+
+def resolve_position_format(setting: str, selection: str, value_format: str) -> PositionFormat:
+    """The wire coding of the positions for ``position_format=setting``: ``"packed"`` or
+    ``"elias_fano"`` as given; ``"auto"`` (the default) is ``"elias_fano"`` where it applies (each
+    worker sends its own positions, ``selection="topk"``, and its values need no magnitude order,
+    ``value_format`` other than ``"mixed"``) and ``"packed"`` elsewhere. The two codings train bit
+    for bit alike (:mod:`demo_lightning.codec.positions`), so ``"auto"`` only ever saves bytes."""
+    check_choice("position_format", setting, POSITION_FORMAT_SETTINGS,
+                 "how top-k positions travel: 'auto' (Elias-Fano where it applies), 'packed' (fixed width) or 'elias_fano' (sorted, fewer bits)")
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    return "elias_fano" if selection == "topk" and value_format != "mixed" else "packed"
 
 
 def default_topk(workers: int) -> int:
@@ -121,8 +137,10 @@ class CodecConfig:
             group keeps the ``k`` positions of largest summed energy ``sum_m |K_m|^2`` over its members
             and sends them once, in its first member's segment; every member sends its own values
             there. ``1`` (the default): every tensor picks and sends its own.
-        position_format: how the positions of ``"topk"`` travel: ``"packed"`` (the default: each in
-            ``ceil(log2(chunk^2))`` bits, 12 for a 64 x 64 tile) or ``"elias_fano"`` (each tile's
+        position_format: how the positions of ``"topk"`` travel: ``"auto"`` (the default:
+            ``"elias_fano"`` with ``selection="topk"`` unless ``value_format="mixed"``, else
+            ``"packed"``; resolved when the config is made, so the field then holds the coding),
+            ``"packed"`` (each in ``ceil(log2(chunk^2))`` bits, 12 for a 64 x 64 tile) or ``"elias_fano"`` (each tile's
             positions sorted and Elias-Fano coded, about ``2 + log2(chunk^2 / k)`` bits each: 9 at k
             32, 8 at k 64, 6 at k 256; where that is not smaller, e.g. k 1, the fixed width). Lossless:
             the same coefficients, scales and decoded values as ``"packed"``, so the same training
@@ -143,7 +161,7 @@ class CodecConfig:
     fp16_share: float = DEFAULT_HEAD_SHARE
     transform: Transform = "dct"
     position_group_size: int = 1
-    position_format: PositionFormat = "packed"
+    position_format: PositionFormatSetting = "auto"
 
     def __post_init__(self) -> None:
         check_int("chunk", self.chunk, 1, "tile side; the paper uses 64")
@@ -181,8 +199,7 @@ class CodecConfig:
                 "for everybody): use selection='topk', or position_group_size=1"
             )
         check_number("bucket_cap_mb", self.bucket_cap_mb, 0.0, low_open=True, hint="megabytes per collective")
-        check_choice("position_format", self.position_format, POSITION_FORMATS,
-                     "how top-k positions travel: 'packed' (fixed width) or 'elias_fano' (sorted, fewer bits)")
+        object.__setattr__(self, "position_format", resolve_position_format(self.position_format, self.selection, self.value_format))
         if self.position_format == "elias_fano" and self.selection != "topk":
             sent = "no positions" if self.selection == "lowpass" else "one worker's positions, broadcast bit-packed"
             raise ValueError(

@@ -23,11 +23,11 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms import DeMoConfig
-from demo_lightning.algorithms.config import CodecConfig, DenseFormat, ExchangeSelection
+from demo_lightning.algorithms.config import CodecConfig, DenseFormat, ExchangeSelection, PositionFormatSetting
 from demo_lightning.algorithms.demo import Update
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
-from demo_lightning.codec import PositionFormat, Selection, ValueFormat
+from demo_lightning.codec import Selection, ValueFormat
 from demo_lightning.codec.bases import Transform
 from demo_lightning.strategies.runtime import HIERARCHIES, Hierarchy
 from demo_lightning.validation import check_choice, is_number
@@ -119,9 +119,11 @@ class DeMoOptions(_Options):
             in consecutive blocks) share their positions in groups of this many, chosen per tile from
             the group's summed energy and sent once per group; each tensor still sends its own values
             (seed 000 §7). ``1``: every tensor sends its own positions.
-        position_format: how top-k positions travel: ``"packed"`` (12 bits each in a 64 x 64 tile) or
-            ``"elias_fano"`` (each tile's positions sorted and Elias-Fano coded: about 9 bits each at
-            k 32, 8 at k 64; lossless, the same training on fewer bytes; not with ``value_format="mixed"``).
+        position_format: how top-k positions travel: ``"auto"`` (the default: ``"elias_fano"`` with
+            ``selection="topk"`` unless ``value_format="mixed"``, else ``"packed"``), ``"packed"`` (12
+            bits each in a 64 x 64 tile) or ``"elias_fano"`` (each tile's positions sorted and
+            Elias-Fano coded: about 9 bits each at k 32, 8 at k 64; lossless, the same training on
+            fewer bytes; not with ``value_format="mixed"``).
         update: ``"sign"`` (the paper's signum step; pair with ``torch.optim.SGD``), ``"raw"``
             (the shared direction as the gradient, for any optimizer such as AdamW) or
             ``"normalized"`` (the shared direction over its root mean square per tensor, for SGD; an
@@ -189,7 +191,7 @@ class DeMoOptions(_Options):
         value_format: ValueFormat = "sign",
         fp16_share: float = 0.25,
         position_group_size: int = 1,
-        position_format: PositionFormat = "packed",
+        position_format: PositionFormatSetting = "auto",
         update: Update = "sign",
         compensation: float = 0.0,
         early_steps: Optional[int] = None,
@@ -254,8 +256,8 @@ class DesLocOptions(_Options):
             ``"identity"``, as ``DeMoStrategy``'s (the Haar matrix is defined there).
         value_format: codec value format (with ``compress_params``), as ``DeMoStrategy``'s.
         fp16_share: with ``value_format="mixed"`` (and ``compress_params``): the share sent in fp16.
-        position_format: with ``compress_params`` and ``selection="topk"``: ``"packed"`` or
-            ``"elias_fano"`` positions, as ``DeMoStrategy``'s.
+        position_format: with ``compress_params`` and ``selection="topk"``: ``"auto"`` (the
+            default), ``"packed"`` or ``"elias_fano"`` positions, as ``DeMoStrategy``'s.
         dense_below: with ``compress_params``: tensors with fewer elements skip the codec and their
             change is averaged whole, as ``DeMoStrategy``'s.
         dense_vectors: with ``compress_params``: 1-D tensors skip the codec whatever their size, as
@@ -298,7 +300,7 @@ class DesLocOptions(_Options):
         transform: Transform = "dct",
         value_format: ValueFormat = "sign",
         fp16_share: float = 0.25,
-        position_format: PositionFormat = "packed",
+        position_format: PositionFormatSetting = "auto",
         dense_below: int = 1024,
         dense_vectors: bool = True,
         dense_format: DenseFormat = "bf16",
