@@ -73,7 +73,7 @@ Differences from the reference implementation (bloc97/DeMo), each deliberate:
 * the exchange runs after the closure (Lightning's forward/backward), not before it;
 * ``grad is None`` counts as a zero gradient, so every rank sends the same sizes;
 * the decode is a true mean over all workers in a fixed rank order, so every replica computes
-  bitwise the same update; indices are bit-packed, values are fp32/bf16/fp16/int8/sign;
+  bitwise the same update; positions are Elias-Fano coded (or bit-packed), values are fp32/bf16/fp16/int8/sign;
 * tensors are tiled with padding (no prime-size degeneration; N-D weights work);
 * collectives are bucketed: one collective per bucket of up to ``bucket_cap_mb`` megabytes, all
   started before the first is waited on.
