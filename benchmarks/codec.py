@@ -405,7 +405,7 @@ def byte_table(args: argparse.Namespace) -> dict[str, Any]:
         "model": "demo_lightning.models.GPT() (vocab 256, block 128, d_model 192, 4 layers, 4 heads; head tied to tok)",
         "n_trainable": n_trainable, "n_tensors": len(params),
         "n_dense_tensors": sum(1 for p in params if defaults.sends_densely(tuple(p.shape))),
-        "dense_format": defaults.dense_format,
+        "dense_format": defaults.dense_format, "position_format": configs["topk sign"].position_format,
         "chunk": args.chunk, "topk": args.topk, "methods": methods, "rows": rows, "crossover": crossover,
         "note": "per worker per step of the codec exchange (compressed tensors plus the all-reduce, in the codec's "
                 "dense_format, of the tensors it sends densely: under dense_below, and the 1-D ones); DeMoStrategy's non-finite guard adds an all-gather of 9 bytes (a flag byte and the plan digest: 9 (W - 1) bytes per worker)",
@@ -529,7 +529,7 @@ def render(result: dict[str, Any]) -> str:
         f"in {nb['n_tensors']} tensors ({nb['n_dense_tensors']} sent densely, all-reduced in {nb.get('dense_format', 'fp32')})",
         "",
         "Ring models of `demo_lightning.comm.ledger` (sent = received per worker): top-k all-gathers "
-        "`(W - 1) * payload`, low-pass float values and DDP's fp32 gradients are all-reduced, "
+        f"`(W - 1) * payload` (positions {'Elias-Fano coded' if nb.get('position_format') == 'elias_fano' else 'at a fixed width'}),  low-pass float values and DDP's fp32 gradients are all-reduced, "
         "`2 (W - 1) / W * bytes`. Payload checked against the ledger of a real `CompressedMean` call. "
         "Cells: bytes (ratio DDP / ours). " + nb["note"][0].upper() + nb["note"][1:] + ".",
         "",
