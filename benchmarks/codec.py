@@ -529,7 +529,7 @@ def render(result: dict[str, Any]) -> str:
         f"in {nb['n_tensors']} tensors ({nb['n_dense_tensors']} sent densely, all-reduced in {nb.get('dense_format', 'fp32')})",
         "",
         "Ring models of `demo_lightning.comm.ledger` (sent = received per worker): top-k all-gathers "
-        f"`(W - 1) * payload` (positions {'Elias-Fano coded' if nb.get('position_format') == 'elias_fano' else 'at a fixed width'}),  low-pass float values and DDP's fp32 gradients are all-reduced, "
+        f"`(W - 1) * payload` (positions {'Elias-Fano coded' if nb.get('position_format') == 'elias_fano' else 'at a fixed width'}), low-pass float values and DDP's fp32 gradients are all-reduced, "
         "`2 (W - 1) / W * bytes`. Payload checked against the ledger of a real `CompressedMean` call. "
         "Cells: bytes (ratio DDP / ours). " + nb["note"][0].upper() + nb["note"][1:] + ".",
         "",

@@ -47,7 +47,9 @@ def resolve_position_format(setting: str, selection: str, value_format: str) -> 
     ``"elias_fano"`` as given; ``"auto"`` (the default) is ``"elias_fano"`` where it applies (each
     worker sends its own positions, ``selection="topk"``, and its values need no magnitude order,
     ``value_format`` other than ``"mixed"``) and ``"packed"`` elsewhere. The two codings train bit
-    for bit alike (:mod:`demo_lightning.codec.positions`), so ``"auto"`` only ever saves bytes."""
+    for bit alike (:mod:`demo_lightning.codec.positions`), so ``"auto"`` never sends more bytes; it
+    costs a sort and the code's bit arithmetic in the packer and unpacker (about 1.7x their time on a
+    CPU thread, ``benchmarks/positions.py``)."""
     check_choice("position_format", setting, POSITION_FORMAT_SETTINGS,
                  "how top-k positions travel: 'auto' (Elias-Fano where it applies), 'packed' (fixed width) or 'elias_fano' (sorted, fewer bits)")
     if setting != "auto":
