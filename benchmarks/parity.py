@@ -226,7 +226,9 @@ def _cells(out: Path) -> list[dict[str, Any]]:
                       "world": record["world_size"], "method": label_of(record["method"], options), "base": record["method"],
                       "options": options, "lr": meta.get("lr"), "steps": meta["steps"],
                       "loss": record["final_val_loss"], "bytes": record["bytes_sent_per_step"],
-                      "ratio": record.get("steady_ratio_vs_ddp") or record["ratio_vs_ddp"], "command": meta["command"]})
+                      "ratio": record.get("steady_ratio_vs_ddp") or record["ratio_vs_ddp"], "command": meta["command"],
+                      # cells from before compare.py recorded the coding name it in their options when they set it
+                      "elias_fano": record.get("position_format") == "elias_fano" or "position_format=elias_fano" in options})
     return found
 
 
@@ -243,6 +245,14 @@ def _times(ratio: float) -> str:
     """A byte ratio to DDP: whole numbers from 10x up, two significant digits below (a method that moves
     more bytes than DDP, 0.33x, must not read 0x)."""
     return f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2g}x"
+
+
+def _positions_mark(cells: list[dict[str, Any]]) -> str:
+    """The mark after a byte ratio whose cells coded their positions with Elias-Fano (each cell records the
+    coding it ran, ``position_format``; cells from before issue 18 made it the default lack the key and sent
+    fixed-width positions or none): `` EF`` where every cell did, `` EF at n of m`` where some did."""
+    coded = sum(bool(c.get("elias_fano")) for c in cells)
+    return "" if coded == 0 else " EF" if coded == len(cells) else f" EF at {coded} of {len(cells)}"
 
 
 def _spread(values: list[float]) -> str:
@@ -310,6 +320,7 @@ def render(args: argparse.Namespace) -> None:
              "ratio = loss / DDP's at the same seed.", "",
              "| corpus | size | W | method | lr | seeds | val loss | vs DDP | bytes vs DDP | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     log_ratios: dict[str, list[float]] = {}
+    by_world: dict[str, dict[int, list[float]]] = {}  # the same log ratios per world size
     variants: dict[str, dict[tuple, float]] = {}  # rows with no target: their log ratios by (corpus, size, W, steps, seed)
     defaults: dict[tuple, float] = {}  # the default's (DEFAULT's target) log ratios, by the same keys
     for (corpus, size, world, steps), by_method in sorted(groups.items()):
@@ -331,12 +342,14 @@ def render(args: argparse.Namespace) -> None:
                     verdict = "met" if max(ratios) <= limit else "met on the mean (not every seed)"
                 if corpus != tuning:  # the tuning corpus is not out of sample
                     log_ratios.setdefault(target, []).extend(math.log(r) for r in ratios)
+                    by_world.setdefault(target, {}).setdefault(world, []).extend(math.log(r) for r in ratios)
                     if target == DEFAULT:
                         defaults.update(logs)
             elif method != "ddp" and ratios and corpus != tuning:
                 variants.setdefault(label, {}).update(logs)
             table.append(f"| {corpus} | {size_of(size, steps)} | {world} | {label} | {first['lr']:g} | {len(seeds)} | "
-                         f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {_times(byte_ratio)} | {verdict} |")
+                         f"{_spread(losses)} | {_spread(ratios) + 'x' if ratios else '-'} | {_times(byte_ratio)}{_positions_mark(list(seeds.values()))} | "
+                         f"{verdict} |")
     if others:
         table += ["", "Other rates (ablations; the ratio is to DDP at its chosen rate, same corpus, size, W, steps and seed):", "",
                   "| corpus | size | W | method | lr | seed | val loss | vs DDP | bytes vs DDP |", "|---|---|---|---|---|---|---|---|---|"]
@@ -344,16 +357,25 @@ def render(args: argparse.Namespace) -> None:
             ref = groups.get((c["corpus"], c["size"], c["world"], c["steps"]), {}).get("ddp", {}).get(c["seed"])
             vs = f"{c['loss'] / ref['loss']:.4f}x" if ref else "-"
             table.append(f"| {c['corpus']} | {size_of(c['size'], c['steps'])} | {c['world']} | {c['method']} | {c['lr']:g} | {c['seed']} | {c['loss']:.4f} | "
-                         f"{vs} | {_times(c['ratio'])} |")
+                         f"{vs} | {_times(c['ratio'])}{_positions_mark([c])} |")
     left_out = f", the tuning corpus ({tuning}) left out" if tuning else ""  # no sweep.json here: every corpus counts
     table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above{left_out}:", ""]
-    table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs" for m, v in sorted(log_ratios.items())]
+
+    def per_world(target: str) -> str:  # where runs of several world sizes are pooled, each one's share too
+        worlds = by_world[target]
+        return "" if len(worlds) < 2 else " (" + ", ".join(
+            f"W {w}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)}" for w, v in sorted(worlds.items())) + ")"
+
+    table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs{per_world(m)}" for m, v in sorted(log_ratios.items())]
     if variants:
         table += ["", "Rows without a target (settings other than a default), beside the default on the same runs:", ""]
         for name, runs in sorted(variants.items()):
             same = [defaults[k] for k in runs if k in defaults]
             beside = (f"; the default {math.exp(statistics.fmean(same)):.4f}x over {len(same)} of them" if same else "")
             table.append(f"- {name}: {math.exp(statistics.fmean(runs.values())):.4f}x over {len(runs)} runs{beside}")
+    if any(c.get("elias_fano") for c in cells):
+        table += ["", "Bytes marked EF: top-k positions coded with Elias-Fano (the default since issue 18; the same training "
+                  "bit for bit); the others sent fixed-width positions, or none."]
     table += ["", "Commands: each cell's `compare.py` command is in `cells/<cell>/latest.json` (`meta.command`)."]
     (out / getattr(args, "table", "latest.md")).write_text("\n".join(table) + "\n")
     print("\n".join(lines + [""] + table))

@@ -18,14 +18,15 @@ import parity  # noqa: E402
 
 
 def _write_cell(out: Path, corpus: str, seed: int, world: int, method: str, lr: float, loss: float, ratio: float,
-                options: tuple[str, ...] = (), steps: int = 10) -> None:
+                options: tuple[str, ...] = (), steps: int = 10, position_format: str | None = None) -> None:
     folder = out / "cells" / parity.cell_name(corpus, "small", seed, world, method, lr, steps, options)
     folder.mkdir(parents=True)
     meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": seed, "lr": lr,
             "d_model": 128, "n_layer": 2, "steps": steps}
     record = {"method": method, "world_size": world, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
               "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1,
-              **({"options": list(options)} if options else {})}
+              **({"options": list(options)} if options else {}),
+              **({"position_format": position_format} if position_format else {})}
     (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
 
 
@@ -337,3 +338,39 @@ def test_a_warm_up_is_passed_on_and_a_folder_holds_one(tmp_path: Path, monkeypat
     # a cell stored before compare.py recorded the warm-up: read from its command
     assert parity.stored_warmup({"command": "python benchmarks/compare.py --warmup-steps 160 --seed 0"}) == 160
     assert parity.stored_warmup({"command": "python benchmarks/compare.py --seed 0"}) == 20
+
+
+def test_render_marks_the_byte_ratios_of_cells_that_coded_positions_with_elias_fano(tmp_path: Path) -> None:
+    """Each cell records its position coding; a row's bytes say EF where every seed's cell used Elias-Fano,
+    "EF at n of m" where only some did, nothing where none did (DDP, or cells from before the key existed)."""
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-default": 1e-3}))
+    for seed in (0, 1):
+        _write_cell(tmp_path, "prose", seed, 2, "ddp", 1e-3, 2.0, 1.0)
+        _write_cell(tmp_path, "prose", seed, 2, "demo-default", 1e-3, 2.1, 150.0, position_format="elias_fano")
+        _write_cell(tmp_path, "cpp", seed, 2, "ddp", 1e-3, 2.0, 1.0)
+        _write_cell(tmp_path, "cpp", seed, 2, "demo-default", 1e-3, 2.1, 150.0 if seed else 100.0,
+                    position_format="elias_fano" if seed else None)
+    _write_cell(tmp_path, "cpp", 0, 2, "demo-default", 2e-3, 2.2, 100.0, position_format="packed")  # another rate
+    _write_cell(tmp_path, "cpp", 0, 2, "demo-default", 3e-3, 2.2, 140.0, options=("position_format=elias_fano",))
+    parity.render(type("Args", (), {"out": str(tmp_path)})())
+    rows = {(line.split(" | ")[0], line.split(" | ")[3], line.split(" | ")[4]): line
+            for line in (tmp_path / "latest.md").read_text().splitlines() if line.startswith("| ")}
+    assert "| 150x EF | met |" in rows[("| prose", "demo-default", "0.001")]
+    assert "| 125x EF at 1 of 2 | met |" in rows[("| cpp", "demo-default", "0.001")]
+    assert "| 1x |  |" in rows[("| prose", "ddp", "0.001")]
+    assert rows[("| cpp", "demo-default", "0.002")].endswith("| 100x |")  # packed: no mark
+    assert rows[("| cpp", "demo-default[position_format=elias_fano]", "0.003")].endswith("| 140x EF |")  # set, not recorded
+    assert "Bytes marked EF: top-k positions coded with Elias-Fano" in (tmp_path / "latest.md").read_text()
+
+
+def test_the_geometric_mean_over_several_world_sizes_names_each_ones_share(tmp_path: Path) -> None:
+    (tmp_path / "rates.json").write_text(json.dumps({"ddp": 1e-3, "demo-default": 1e-3}))
+    for seed in (0, 1):
+        _write_cell(tmp_path, "prose", seed, 2, "ddp", 1e-3, 2.0, 1.0)
+        _write_cell(tmp_path, "prose", seed, 2, "demo-default", 1e-3, 2.1, 120.0)
+    _write_cell(tmp_path, "prose", 0, 4, "ddp", 1e-3, 2.0, 1.0)
+    _write_cell(tmp_path, "prose", 0, 4, "demo-default", 1e-3, 2.2, 120.0)
+    parity.render(type("Args", (), {"out": str(tmp_path)})())
+    pooled = math.exp((2 * math.log(1.05) + math.log(1.1)) / 3)
+    assert (f"- demo-default: {pooled:.4f}x over 3 runs (W 2: 1.0500x over 2, W 4: 1.1000x over 1)"
+            in (tmp_path / "latest.md").read_text())
