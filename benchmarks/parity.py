@@ -251,7 +251,7 @@ def _positions_mark(cells: list[dict[str, Any]]) -> str:
     """The mark after a byte ratio whose cells coded their positions with Elias-Fano (each cell records the
     coding it ran, ``position_format``; cells from before issue 18 made it the default lack the key and sent
     fixed-width positions or none): `` EF`` where every cell did, `` EF at n of m`` where some did."""
-    coded = sum(bool(c.get("elias_fano")) for c in cells)
+    coded = sum(c["elias_fano"] for c in cells)
     return "" if coded == 0 else " EF" if coded == len(cells) else f" EF at {coded} of {len(cells)}"
 
 
@@ -319,8 +319,7 @@ def render(args: argparse.Namespace) -> None:
              f"Validation loss (nats per byte) after {' or '.join(map(str, lengths))} steps, mean over seeds (min-max); "
              "ratio = loss / DDP's at the same seed.", "",
              "| corpus | size | W | method | lr | seeds | val loss | vs DDP | bytes vs DDP | target |", "|---|---|---|---|---|---|---|---|---|---|"]
-    log_ratios: dict[str, list[float]] = {}
-    by_world: dict[str, dict[int, list[float]]] = {}  # the same log ratios per world size
+    log_ratios: dict[str, dict[int, list[float]]] = {}  # target -> world size -> the held-out runs' log ratios
     variants: dict[str, dict[tuple, float]] = {}  # rows with no target: their log ratios by (corpus, size, W, steps, seed)
     defaults: dict[tuple, float] = {}  # the default's (DEFAULT's target) log ratios, by the same keys
     for (corpus, size, world, steps), by_method in sorted(groups.items()):
@@ -341,8 +340,7 @@ def render(args: argparse.Namespace) -> None:
                 else:  # the mean within the limit: met by every seed, or only on the mean
                     verdict = "met" if max(ratios) <= limit else "met on the mean (not every seed)"
                 if corpus != tuning:  # the tuning corpus is not out of sample
-                    log_ratios.setdefault(target, []).extend(math.log(r) for r in ratios)
-                    by_world.setdefault(target, {}).setdefault(world, []).extend(math.log(r) for r in ratios)
+                    log_ratios.setdefault(target, {}).setdefault(world, []).extend(math.log(r) for r in ratios)
                     if target == DEFAULT:
                         defaults.update(logs)
             elif method != "ddp" and ratios and corpus != tuning:
@@ -360,20 +358,18 @@ def render(args: argparse.Namespace) -> None:
                          f"{vs} | {_times(c['ratio'])}{_positions_mark([c])} |")
     left_out = f", the tuning corpus ({tuning}) left out" if tuning else ""  # no sweep.json here: every corpus counts
     table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above{left_out}:", ""]
-
-    def per_world(target: str) -> str:  # where runs of several world sizes are pooled, each one's share too
-        worlds = by_world[target]
-        return "" if len(worlds) < 2 else " (" + ", ".join(
-            f"W {w}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)}" for w, v in sorted(worlds.items())) + ")"
-
-    table += [f"- {m}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)} runs{per_world(m)}" for m, v in sorted(log_ratios.items())]
+    for target, worlds in sorted(log_ratios.items()):  # pooled over the world sizes, and each one's share where several
+        pooled = [r for runs in worlds.values() for r in runs]
+        shares = ", ".join(f"W {w}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)}" for w, v in sorted(worlds.items()))
+        table.append(f"- {target}: {math.exp(statistics.fmean(pooled)):.4f}x over {len(pooled)} runs"
+                     + (f" ({shares})" if len(worlds) > 1 else ""))
     if variants:
         table += ["", "Rows without a target (settings other than a default), beside the default on the same runs:", ""]
         for name, runs in sorted(variants.items()):
             same = [defaults[k] for k in runs if k in defaults]
             beside = (f"; the default {math.exp(statistics.fmean(same)):.4f}x over {len(same)} of them" if same else "")
             table.append(f"- {name}: {math.exp(statistics.fmean(runs.values())):.4f}x over {len(runs)} runs{beside}")
-    if any(c.get("elias_fano") for c in cells):
+    if any(c["elias_fano"] for c in cells):
         table += ["", "Bytes marked EF: top-k positions coded with Elias-Fano (the default since issue 18; the same training "
                   "bit for bit); the others sent fixed-width positions, or none."]
     table += ["", "Commands: each cell's `compare.py` command is in `cells/<cell>/latest.json` (`meta.command`)."]
