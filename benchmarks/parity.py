@@ -358,6 +358,8 @@ def render(args: argparse.Namespace) -> None:
                          f"{vs} | {_times(c['ratio'])}{_positions_mark([c])} |")
     left_out = f", the tuning corpus ({tuning}) left out" if tuning else ""  # no sweep.json here: every corpus counts
     table += ["", f"Geometric mean of the loss ratio to DDP over every cell and seed above{left_out}:", ""]
+    if not log_ratios:
+        table.append(f"- none: no cell here is off the tuning corpus ({tuning})" if tuning else "- none: no method with a target beside DDP")
     for target, worlds in sorted(log_ratios.items()):  # pooled over the world sizes, and each one's share where several
         pooled = [r for runs in worlds.values() for r in runs]
         shares = ", ".join(f"W {w}: {math.exp(statistics.fmean(v)):.4f}x over {len(v)}" for w, v in sorted(worlds.items()))

@@ -374,3 +374,14 @@ def test_the_geometric_mean_over_several_world_sizes_names_each_ones_share(tmp_p
     pooled = math.exp((2 * math.log(1.05) + math.log(1.1)) / 3)
     assert (f"- demo-default: {pooled:.4f}x over 3 runs (W 2: 1.0500x over 2, W 4: 1.1000x over 1)"
             in (tmp_path / "latest.md").read_text())
+
+
+def test_a_folder_with_only_the_tuning_corpus_says_it_has_no_held_out_mean(tmp_path: Path) -> None:
+    sweep = [{"method": "ddp", "lr": 1e-3, "loss": 2.0}, {"method": "demo-default", "lr": 1e-3, "loss": 2.2}]
+    (tmp_path / "sweep.json").write_text(json.dumps({"corpus": "stdlib", "size": "small", "seed": 0, "world": 8, "steps": 10, "cells": sweep}))
+    _write_cell(tmp_path, "stdlib", 0, 8, "ddp", 1e-3, 2.0, 1.0)
+    _write_cell(tmp_path, "stdlib", 0, 8, "demo-default", 1e-3, 2.2, 100.0)
+    parity.render(type("Args", (), {"out": str(tmp_path)})())
+    table = (tmp_path / "latest.md").read_text()
+    assert "| stdlib | small | 8 | demo-default | 0.001 | 1 | 2.2000 | 1.1000x | 100x | missed |" in table
+    assert "left out:\n\n- none: no cell here is off the tuning corpus (stdlib)\n" in table
