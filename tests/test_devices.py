@@ -170,15 +170,15 @@ def _net() -> torch.nn.Module:
 
 def test_an_exchange_that_follows_its_parameters_keeps_its_momenta_and_its_trajectory_bitwise() -> None:
     """``follow_parameters`` (what the strategies call after Lightning moved the model off the GPU)
-    re-lays the momenta out from a copy: values, the compensation's previous gradients and the
-    early phase's count survive, and the run continues exactly as one that never called it."""
+    re-lays the momenta out from a copy: values, the compensation's previous gradients, the gradient
+    averages and the early phase's count survive, and the run continues exactly as one that never called it."""
     from demo_lightning.algorithms import DeMoConfig, DeMoExchange
 
     runs = []
     for follow in (False, True):
         model = _net()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=100, compensation=0.2, early_steps=4), Communicator())
+        exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=100, compensation=0.2, gradient_ema=0.9, early_steps=4), Communicator())
 
         def step(o: torch.optim.Optimizer, exchange: DeMoExchange = exchange) -> None:
             exchange.step()

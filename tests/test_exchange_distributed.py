@@ -72,6 +72,7 @@ CONFIGS = {
     "shared-bf16": {"topk": 8, "dense_below": 100, "selection": "shared", "value_format": "bf16"},
     "topk-fp8": {"topk": 8, "dense_below": 100, "value_format": "fp8_e4m3"},
     "topk-compensated": {"topk": 8, "dense_below": 100, "value_format": "sign", "compensation": 0.2},
+    "topk-smoothed": {"topk": 8, "dense_below": 100, "value_format": "sign", "gradient_ema": 0.9},
     "topk-mixed": {"topk": 8, "dense_below": 100, "value_format": "mixed"},
     "lowpass-fp8": {"topk": 8, "dense_below": 100, "selection": "lowpass", "value_format": "fp8_e5m2"},
 }

@@ -26,6 +26,15 @@ Momentum compensation (``DeMoConfig.compensation = lambda``, seed 000 §5.1, for
 ``g`` above is replaced by ``g_t + lambda (g_t - g_{t-1})`` (``g_1`` at the first step), each worker
 keeping its last gradients (in :meth:`DeMoExchange.state_dict`).
 
+Gradient smoothing (``DeMoConfig.gradient_ema = beta_g``, issue 18): ``g`` above is replaced by
+``e <- beta_g e + (1 - beta_g) g`` (zeros at first), each worker keeping ``e`` (in
+:meth:`DeMoExchange.state_dict`). DeMo's error feedback restarts a component that is sent at every
+step from its gradient, so the strongest coefficients carry no momentum; ``e`` gives them Signum's
+(arXiv 1802.04434): with every coefficient kept, fp32 values and ``update="sign"`` the step is
+``sign(mean_r e_r) = sign(EMA(mean gradient))``, Signum with ``beta = beta_g`` on DDP's gradient.
+What is sent still sums to what was fed, so unlike a momentum over the decoded mean nothing is
+counted twice.
+
 Position groups (``CodecConfig.position_group_size = G > 1``, seed 000 §7, top-k only): the
 compressed tensors of one shape and role (:meth:`DeMoExchange.set_parameter_names`; the strategies
 name them from the module, so ``blocks.0.fc.weight`` groups with ``blocks.1.fc.weight``) are cut, in
@@ -244,6 +253,13 @@ class DeMoConfig:
             a momentum of decay ``decay * rho``. Measured there (seed 0, 520 steps) it trains worse
             the larger ``rho``: 1.8660 at 0.2, 1.8958 at 0.5, 2.4364 at 0.9 against 1.8019 at 0, so it
             stays an ablation. The momentum is state as before; nothing else changes (bytes, collectives).
+        gradient_ema: ``beta_g`` in [0, 1): each worker feeds its momentum ``e <- beta_g e + (1 -
+            beta_g) g`` (zeros at first) instead of ``g``, so a component sent at every step carries
+            Signum's momentum instead of none (see the module docstring: with every coefficient
+            kept it is Signum on the mean gradient). ``0`` (the default) is DeMo as published.
+            Applied after ``compensation``. Memory: one copy of every exchanged tensor (its compute
+            dtype) per worker, saved in the exchange's state (checkpoints), so a resume continues
+            bitwise. Bytes and collectives are unchanged.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
@@ -253,6 +269,7 @@ class DeMoConfig:
     early_steps: Optional[int] = None
     early_topk_factor: Optional[int] = None
     retain_sent: float = 0.0
+    gradient_ema: float = 0.0
 
     @classmethod
     def of(cls, **settings: Any) -> "DeMoConfig":
@@ -264,7 +281,7 @@ class DeMoConfig:
         unknown = sorted(set(own) - {f.name for f in fields(cls)} - {"codec"})
         if unknown:
             raise TypeError(f"unknown DeMo setting(s) {unknown}; the codec takes {sorted(names)}, the exchange decay, update, "
-                            "compensation, early_steps, early_topk_factor and retain_sent")
+                            "compensation, early_steps, early_topk_factor, retain_sent and gradient_ema")
         return cls(codec=CodecConfig(**codec), **own)
 
     def __post_init__(self) -> None:
@@ -283,6 +300,8 @@ class DeMoConfig:
                       "times the k kept in the early phase; 1 switches it off, None: 256 a tile for the default k, 4x an explicit one")
         check_number("retain_sent", self.retain_sent, 0.0, 1.0, high_open=True,
                      hint="the share of each sent component kept in the sender's momentum; 0 (DeMo's error feedback) takes it all out")
+        check_number("gradient_ema", self.gradient_ema, 0.0, 1.0, high_open=True,
+                     hint="beta of the moving average of gradients each worker feeds its momentum (Signum's 0.9); 0 feeds the gradient")
 
     def early_exchanges_for(self, workers: int) -> int:
         """How many exchanges the early phase lasts over ``workers`` DeMo workers: ``early_steps``
@@ -486,6 +505,7 @@ class DeMoExchange:
         self._exchanges_done = 0  # exchanges run so far (the same on every rank): picks selection="shared"'s leader
         self._momentum = SpectralMomentum()
         self._previous: dict[Tensor, Tensor] = {}  # compensation > 0: each exchanged tensor's last gradient
+        self._averages: dict[Tensor, Tensor] = {}  # gradient_ema > 0: each exchanged tensor's moving average of gradients
         self._settings: dict[Tensor, TensorSettings] = {}
         self._roles: dict[Tensor, str] = {}  # position groups: each named parameter's block_role
         self._want_energy = False
@@ -615,15 +635,37 @@ class DeMoExchange:
         previous.copy_(current)
         return out
 
+    def _smoothed(self, p: Tensor, g: Optional[Tensor]) -> Optional[Tensor]:
+        """``e <- beta_g e + (1 - beta_g) g`` for the momentum (see ``DeMoConfig.gradient_ema``), the
+        average kept for the next step; ``None`` (no gradient) leaves it as it is."""
+        if g is None:
+            return None
+        current = g.detach().to(compute_dtype(g.dtype))
+        average = self._averages.get(p)
+        if average is None or average.shape != current.shape:
+            average = self._averages[p] = torch.zeros_like(current)
+        return average.lerp_(current, 1.0 - self.config.gradient_ema)
+
+    def _fed_gradients(self, params: list[Tensor]) -> list[Optional[Tensor]]:
+        """What each tensor's momentum takes this step: its gradient, compensated and smoothed when
+        configured (``DeMoConfig.compensation``, ``DeMoConfig.gradient_ema``)."""
+        grads = [self._compensated(p) for p in params] if self.config.compensation > 0 else [p.grad for p in params]
+        if self.config.gradient_ema > 0:
+            grads = [self._smoothed(p, g) for p, g in zip(params, grads)]
+        return grads
+
     def state_dict(self) -> dict[str, Any]:
         """This worker's exchange state: ``{"momentum": {"version": 2, "momenta": {index: ...}},
         "exchanges": n}`` by parameter index (the optimizer ``state_dict`` numbering), copied;
         ``exchanges`` counts the exchanges run (it picks ``selection="shared"``'s leader); with
-        ``compensation`` also ``"previous_gradients": {index: tensor}``."""
+        ``compensation`` also ``"previous_gradients": {index: tensor}``, with ``gradient_ema``
+        ``"gradient_averages": {index: tensor}``."""
         index_of = {p: i for i, p in enumerate(self._all_parameters())}
         state: dict[str, Any] = {"momentum": self._momentum.state_dict(index_of), "exchanges": self._exchanges_done}
         if self._previous:
             state["previous_gradients"] = {index_of[p]: g.clone() for p, g in self._previous.items() if p in index_of}
+        if self._averages:
+            state["gradient_averages"] = {index_of[p]: e.clone() for p, e in self._averages.items() if p in index_of}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -635,21 +677,18 @@ class DeMoExchange:
         if "momentum" in state:
             self._momentum.load_state_dict(state["momentum"], params)
             self._exchanges_done = int(state.get("exchanges", 0))
-            self._previous = {}
-            for index, g in dict(state.get("previous_gradients") or {}).items():
-                p = params[int(index)]
-                if tuple(g.shape) != tuple(p.shape):
-                    raise ValueError(f"saved previous gradient for parameter {index} has shape {tuple(g.shape)} for a "
-                                     f"parameter of shape {tuple(p.shape)}: the checkpoint comes from a different model")
-                self._previous[p] = g.detach().to(dtype=compute_dtype(p.dtype), device=p.device).clone()
+            self._previous = _per_parameter(state.get("previous_gradients"), params, "previous gradient")
+            self._averages = _per_parameter(state.get("gradient_averages"), params, "gradient average")
         else:
             self._momentum.load_dense(state, params)  # type: ignore[arg-type]
         self._plan_key = None  # adopt the loaded momenta at the next step
 
     def clear_state(self) -> None:
-        """Drop every local momentum (they restart from zero) and the compensation's previous gradients."""
+        """Drop every local momentum (they restart from zero), the compensation's previous gradients
+        and the gradient averages."""
         self._momentum.clear()
         self._previous = {}
+        self._averages = {}
 
     def follow_parameters(self) -> None:
         """Move this worker's state to its parameters' current devices and drop the step's workspace.
@@ -828,7 +867,7 @@ class DeMoExchange:
         codec = plan.config
         momentum = self._momentum
         decays = [self.decay_of(p) for p in params]
-        grads = [self._compensated(p) for p in params] if self.config.compensation > 0 else [p.grad for p in params]
+        grads = self._fed_gradients(params)
         with stage_range(DEMO.encode):
             # dense tensors: m <- decay m + g, summed whole by one all-reduce per group (of a copy in the
             # dense wire format; what rounding to it loses stays as the residual, applied after the waits)
@@ -1003,3 +1042,17 @@ def warn_if_stateful(optimizer: Optimizer) -> Optional[str]:
             )
     return None
 
+
+
+def _per_parameter(saved: Optional[Mapping[Any, Tensor]], params: list[Tensor], what: str) -> dict[Tensor, Tensor]:
+    """Saved per-parameter tensors (``{index: tensor}``, :meth:`DeMoExchange.state_dict`) keyed by
+    their parameters, in each one's compute dtype and device; a shape that does not match raises
+    ``ValueError`` (a checkpoint from a different model)."""
+    out: dict[Tensor, Tensor] = {}
+    for index, value in dict(saved or {}).items():
+        p = params[int(index)]
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"saved {what} for parameter {index} has shape {tuple(value.shape)} for a "
+                             f"parameter of shape {tuple(p.shape)}: the checkpoint comes from a different model")
+        out[p] = value.detach().to(dtype=compute_dtype(p.dtype), device=p.device).clone()
+    return out

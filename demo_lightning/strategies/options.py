@@ -131,6 +131,10 @@ class DeMoOptions(_Options):
         compensation: momentum compensation ``lambda`` in [0, 1] (seed 000 §5.1, for small batches):
             each worker's momentum takes ``g_t + lambda (g_t - g_{t-1})``; costs one copy of the
             exchanged tensors' last gradient per worker (in checkpoints); ``0``: off.
+        gradient_ema: ``beta_g`` in [0, 1): each worker feeds its momentum a moving average of its
+            gradients, ``e <- beta_g e + (1 - beta_g) g``, so the components sent at every step carry
+            Signum's momentum (with every coefficient kept: Signum on the mean gradient); costs one
+            copy of the exchanged tensors per worker (in checkpoints); ``0``: off.
         early_steps: the first this many exchanges keep more coefficients per tile (the early
             phase, ``early_topk_factor``). ``None`` (the default): ``clamp(80 // W, 20, 40)``
             exchanges over ``W`` workers (40 at 2, 20 at 4) when neither ``topk`` nor ``keep_ratio``
@@ -197,6 +201,7 @@ class DeMoOptions(_Options):
         early_steps: Optional[int] = None,
         early_topk_factor: Optional[int] = None,
         retain_sent: float = 0.0,
+        gradient_ema: float = 0.0,
         dense_below: int = 1024,
         dense_vectors: bool = True,
         dense_format: DenseFormat = "bf16",
@@ -219,6 +224,7 @@ class DeMoOptions(_Options):
             value_format=value_format, fp16_share=fp16_share, position_group_size=position_group_size,
             position_format=position_format, update=update,
             compensation=compensation, early_steps=early_steps, early_topk_factor=early_topk_factor, retain_sent=retain_sent,
+            gradient_ema=gradient_ema,
             dense_below=dense_below, dense_vectors=dense_vectors, dense_format=dense_format, bucket_cap_mb=bucket_cap_mb,
         )
         desloc = DesLocConfig(
