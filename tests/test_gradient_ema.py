@@ -17,55 +17,28 @@ import pytest
 import torch
 from torch import nn
 
-from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange
+from demo_lightning.algorithms import DeMoConfig, DeMoExchange
 from demo_lightning.comm import Communicator
 from demo_lightning.optim import Signum
 from demo_lightning.strategies import DeMoStrategy
 
 from dist_helpers import run_workers
+from exchange_inputs import (SHAPES, Grads, assert_feeds, assert_off_keeps_nothing, assert_resumes_bitwise, exchange_with,
+                             make_grads, make_params, step_with)
 
 BETA = 0.9
-SHAPES = [(48, 40), (64,), (100,)]  # compressed, dense (below dense_below), dense
-
-
-def _params(seed: int = 0) -> list[nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(*shape, generator=gen)) for shape in SHAPES]
-
-
-def _grads(steps: int) -> list[list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [[torch.randn(*shape, generator=gen) for shape in SHAPES] for _ in range(steps)]
-
-
-def _exchange(params: list[nn.Parameter], beta: float) -> DeMoExchange:
-    config = DeMoConfig(CodecConfig(chunk=16, topk=12, value_format="fp32", dense_below=80), update="raw", gradient_ema=beta)
-    return DeMoExchange(torch.optim.SGD(params, lr=0.1), config)
-
-
-def _step(exchange: DeMoExchange, params: list[nn.Parameter], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
-    exchange.step()
-    return [p.grad.clone() for p in params]
+SETTING = {"gradient_ema": BETA}
 
 
 def test_the_momentum_takes_the_moving_average_of_the_gradients() -> None:
-    steps = _grads(5)
-    a_params, b_params = _params(), _params()
-    smoothed, plain = _exchange(a_params, BETA), _exchange(b_params, 0.0)
     average = [torch.zeros(shape, dtype=torch.float64) for shape in SHAPES]
-    for t, grads in enumerate(steps):
+
+    def fed(grads: Grads) -> Grads:
+        nonlocal average
         average = [BETA * e + (1 - BETA) * g.double() for e, g in zip(average, grads)]
-        got, want = _step(smoothed, a_params, grads), _step(plain, b_params, [e.float() for e in average])
-        for i, (x, y) in enumerate(zip(got, want)):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"step {t} tensor {i}: the shared update")
-            torch.testing.assert_close(smoothed.momentum(a_params[i]), plain.momentum(b_params[i]), rtol=1e-5, atol=1e-6)
-    # negative control: beta matters (the updates differ from DeMo fed the gradients themselves)
-    raw_params = _params()
-    raw = _exchange(raw_params, 0.0)
-    last = [_step(raw, raw_params, grads) for grads in steps][-1]
-    assert not torch.allclose(last[0], got[0], rtol=1e-3, atol=1e-4)
+        return [e.float() for e in average]
+
+    assert_feeds(SETTING, fed)
 
 
 def _net() -> nn.Module:
@@ -130,40 +103,18 @@ def test_with_every_coefficient_kept_two_ranks_are_signum_on_the_mean_gradient(t
 
 
 def test_the_averages_are_saved_and_a_resumed_exchange_continues_bitwise() -> None:
-    steps = _grads(6)
-    params = _params()
-    whole = _exchange(params, BETA)
-    reference = [_step(whole, params, grads) for grads in steps]
-
-    first_params = _params()
-    first = _exchange(first_params, BETA)
-    for grads in steps[:3]:
-        _step(first, first_params, grads)
-    state = first.state_dict()
-    assert set(state["gradient_averages"]) == {0, 1, 2}
-
-    resumed_params = [nn.Parameter(p.detach().clone()) for p in first_params]
-    resumed = _exchange(resumed_params, BETA)
-    resumed.load_state_dict(state)
-    for t, grads in enumerate(steps[3:], start=3):
-        for x, y in zip(_step(resumed, resumed_params, grads), reference[t]):
-            assert torch.equal(x, y), t
-    # without the saved averages the next step differs (the state is what makes it bitwise)
-    cleared_params = [nn.Parameter(p.detach().clone()) for p in first_params]
-    cleared = _exchange(cleared_params, BETA)
-    cleared.load_state_dict({k: v for k, v in state.items() if k != "gradient_averages"})
-    assert not torch.equal(_step(cleared, cleared_params, steps[3])[0], reference[3][0])
+    state = assert_resumes_bitwise(SETTING, "gradient_averages")
     # a checkpoint from another model is refused, naming what did not fit
     wrong = dict(state, gradient_averages={0: torch.zeros(3, 3)})
     with pytest.raises(ValueError, match="gradient average for parameter 0 has shape"):
-        _exchange(_params(), BETA).load_state_dict(wrong)
+        exchange_with(make_params(), **SETTING).load_state_dict(wrong)
 
 
 def test_a_tensor_without_a_gradient_keeps_its_average() -> None:
-    params = _params()
-    exchange = _exchange(params, BETA)
-    grads = _grads(2)
-    _step(exchange, params, grads[0])
+    params = make_params()
+    exchange = exchange_with(params, **SETTING)
+    grads = make_grads(2)
+    step_with(exchange, params, grads[0])
     before = exchange.state_dict()["gradient_averages"][0]
     torch.testing.assert_close(before, (1 - BETA) * grads[0][0])
     for p, g in zip(params, grads[1]):
@@ -174,14 +125,7 @@ def test_a_tensor_without_a_gradient_keeps_its_average() -> None:
 
 
 def test_off_keeps_no_average_and_clear_state_drops_them() -> None:
-    params = _params()
-    plain = _exchange(params, 0.0)
-    _step(plain, params, _grads(1)[0])
-    assert "gradient_averages" not in plain.state_dict()
-    smoothed = _exchange(params, BETA)
-    _step(smoothed, params, _grads(1)[0])
-    smoothed.clear_state()
-    assert "gradient_averages" not in smoothed.state_dict()
+    assert_off_keeps_nothing(SETTING, "gradient_averages")
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan"), "0.9"])
