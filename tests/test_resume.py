@@ -59,10 +59,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "strategy": "desloc", "optimizer": "adamw",
         "options": {"param_sync_every": 7, "state_sync_every": {"exp_avg": 5, "exp_avg_sq": 7}},
     },
-    # DeMo with DES-LOC: params at t=5, 10 (g=6, 11), the residuals demo_momentum at t=7 (g=8)
+    # DeMo with DES-LOC: params at t=5, 10 (g=6, 11), the residuals demo_momentum at t=7 (g=8); each
+    # worker's gradient averages (gradient_ema) are its own state, in its shard
     "demo+desloc": {
         "strategy": "demo", "optimizer": "sgd",
-        "options": {"dense_below": 100, "param_sync_every": 5, "state_sync_every": {"demo_momentum": 7}},
+        "options": {"dense_below": 100, "param_sync_every": 5, "state_sync_every": {"demo_momentum": 7}, "gradient_ema": 0.5},
     },
 }
 KILLED = "demo+desloc"  # stage 2 of this variant ends with a SIGKILL of rank 1 (so it runs last)
