@@ -100,11 +100,25 @@ class InjectedFailure(RuntimeError):
     """Raised by ``Fault`` on every rank at the same step: the process group stays usable afterwards."""
 
 
+def write_error(out: Path, rank: int, started: float, error: BaseException) -> None:
+    """``rank<R>.error``: when and how the fit failed on this rank."""
+    (out / f"rank{rank}.error").write_text(f"{time.time()} {time.time() - started:.1f}s {type(error).__name__}: {error}")
+
+
 class Fault(pl.Callback):
-    """Stop the run after a given global step: an exception on every rank, or SIGKILL on one."""
+    """Stop the run after a given global step: an exception on every rank, or SIGKILL on one.
+
+    Also records a failure on this rank as soon as Lightning sees it (``on_exception``, the first
+    thing it calls): after a peer's SIGKILL, Lightning's launcher SIGKILLs the main process (rank 0)
+    at its next poll of the children (every 5 s), so on a loaded machine rank 0 may not live to
+    reach the handler around ``fit``."""
 
     def __init__(self, out: Path, raise_at: int | None, kill_at: int | None, kill_rank: int, marker: Path | None) -> None:
         self.out, self.raise_at, self.kill_at, self.kill_rank, self.marker = out, raise_at, kill_at, kill_rank, marker
+        self.started = time.time()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        write_error(self.out, trainer.global_rank, self.started, exception)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step, rank = trainer.global_step, trainer.global_rank
@@ -145,7 +159,7 @@ def fit(spec: dict[str, Any], args: argparse.Namespace, data: TextDataModule) ->
     try:
         trainer.fit(model, datamodule=data, ckpt_path=spec.get("ckpt_in"))
     except BaseException as error:
-        (out / f"rank{trainer.global_rank}.error").write_text(f"{time.time()} {time.time() - started:.1f}s {type(error).__name__}: {error}")
+        write_error(out, trainer.global_rank, started, error)
         raise
     opt = trainer.optimizers[0]
     params = list(model.parameters())
