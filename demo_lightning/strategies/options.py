@@ -134,7 +134,8 @@ class DeMoOptions(_Options):
         gradient_ema: ``beta_g`` in [0, 1): each worker feeds its momentum a moving average of its
             gradients, ``e <- beta_g e + (1 - beta_g) g``, so the components sent at every step carry
             Signum's momentum (with every coefficient kept: Signum on the mean gradient); costs one
-            copy of the exchanged tensors per worker (in checkpoints); ``0``: off.
+            copy of the exchanged tensors per worker (in checkpoints); ``0``: off. An ablation: with
+            top-k selection it trained worse the larger ``beta_g`` and stalled at 0.9 (README issue 18).
         early_steps: the first this many exchanges keep more coefficients per tile (the early
             phase, ``early_topk_factor``). ``None`` (the default): ``clamp(80 // W, 20, 40)``
             exchanges over ``W`` workers (40 at 2, 20 at 4) when neither ``topk`` nor ``keep_ratio``
