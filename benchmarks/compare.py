@@ -547,7 +547,7 @@ def worker(args: argparse.Namespace) -> None:
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=_strategy(method, args.timeout), max_steps=args.steps,
-        val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
+        gradient_clip_val=args.gradient_clip_val, val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
         callbacks=[recorder, *_callbacks(method)], enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )
     trainer.fit(model, datamodule=data)
@@ -927,6 +927,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's final rate over the peak (every method)")
     p.add_argument("--weight-decay", type=float, default=0.0,
                    help="every method's decoupled weight decay (AdamW's; SGD's under the sign rule is the same)")
+    p.add_argument("--gradient-clip-val", type=float, default=None,
+                   help="every method's gradient-norm clip (Lightning's gradient_clip_val; under DeMo each worker's own "
+                        "gradient before its momentum; default: none)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the corpus read (5 %% validation)")
     p.add_argument("--corpus", default="stdlib",
                    help="a named corpus (stdlib, prose, cpp: demo_lightning.data.corpora), a path to your own text, "
@@ -972,6 +975,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps and --val-every must be >= 1, --warmup >= 0")
     if args.weight_decay < 0:
         p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.gradient_clip_val is not None and args.gradient_clip_val <= 0:
+        p.error(f"--gradient-clip-val must be > 0 (leave it out for no clipping), got {args.gradient_clip_val}")
     if args.schedule_steps is not None and args.schedule_steps < args.steps:
         p.error(f"--schedule-steps ({args.schedule_steps}) must be >= --steps ({args.steps}): the run follows the schedule's first steps")
     if args.option and not args.worker:
@@ -981,7 +986,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except SystemExit as e:
                 p.error(str(e))
     keys = ("steps", "val_every", "d_model", "n_layer", "block_size", "batch_size", "warmup_steps", "max_bytes", "seed",
-            "bandwidths", "latency_ms", "timeout", "corpus", "lr", "schedule_steps", "min_lr_ratio", "weight_decay")
+            "bandwidths", "latency_ms", "timeout", "corpus", "lr", "schedule_steps", "min_lr_ratio", "weight_decay",
+            "gradient_clip_val")
     args.shared = [x for k in keys if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     args.shared += [x for item in args.option or () for x in ("--option", item)]
     return args
@@ -1011,7 +1017,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps": args.steps, "n_trainable": records[0]["n_trainable"], "d_model": args.d_model, "n_layer": args.n_layer,
             "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed, "corpus": args.corpus, "lr": args.lr,
             "warmup_steps": args.warmup_steps, "schedule_steps": args.schedule_steps, "min_lr_ratio": args.min_lr_ratio, "weight_decay": args.weight_decay,
-            "options": args.option,
+            "gradient_clip_val": args.gradient_clip_val, "options": args.option,
             "corpus_digest": _corpus_digest(args),
             "bandwidths": [float(b) for b in args.bandwidths.split(",")], "latency_ms": args.latency_ms,
             "wall_s": time.perf_counter() - start,

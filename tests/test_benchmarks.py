@@ -220,9 +220,11 @@ def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() ->
         compare.with_options(base, ["topk"])
     args = compare.parse_args(["--methods", "ddp,demo-sign1bit", "--world-sizes", "2", "--steps", "160",
                                "--schedule-steps", "520", "--option", "topk=256", "--option", "decay=0.999",
-                               "--weight-decay", "0.1"])
+                               "--weight-decay", "0.1", "--gradient-clip-val", "1.0"])
     shared = args.shared
     assert shared[shared.index("--weight-decay") + 1] == "0.1"  # every worker builds its model with it
+    assert shared[shared.index("--gradient-clip-val") + 1] == "1.0"  # and its Trainer clips with it
+    assert "--gradient-clip-val" not in compare.parse_args([]).shared  # no clipping unless asked
     assert shared[shared.index("--schedule-steps") + 1] == "520" and shared[shared.index("--steps") + 1] == "160"
     assert [shared[i + 1] for i, a in enumerate(shared) if a == "--option"] == ["topk=256", "decay=0.999"]
     with pytest.raises(SystemExit):  # a schedule shorter than the run
@@ -231,6 +233,8 @@ def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() ->
         compare.parse_args(["--methods", "demo-sign1bit", "--option", "=3"])
     with pytest.raises(SystemExit):
         compare.parse_args(["--weight-decay", "-0.1"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--gradient-clip-val", "0"])
 
 
 def test_readme_results_are_the_rendering_of_the_committed_json() -> None:
