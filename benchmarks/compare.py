@@ -547,7 +547,8 @@ def worker(args: argparse.Namespace) -> None:
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=_strategy(method, args.timeout), max_steps=args.steps,
-        gradient_clip_val=args.gradient_clip_val, val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
+        gradient_clip_val=args.gradient_clip_val,
+        val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
         callbacks=[recorder, *_callbacks(method)], enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )
     trainer.fit(model, datamodule=data)
