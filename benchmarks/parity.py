@@ -6,6 +6,7 @@ method at its best rate on the other corpora, model sizes, seeds and world sizes
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp    # at each method's best rate from the sweep
     .venv/bin/python benchmarks/parity.py run --corpora prose,cpp --sizes small,medium --seeds 0,1,2 --world-sizes 2,4
     .venv/bin/python benchmarks/parity.py sweep --warmup-steps 80 --out benchmarks/results/parity/warmup80  # another warm-up
+    .venv/bin/python benchmarks/parity.py sweep --gradient-clip-val 1 --out benchmarks/results/parity/clip  # clipped, every method
     .venv/bin/python benchmarks/parity.py render                     # tables from what has run so far
     .venv/bin/python benchmarks/parity.py render --rates ddp=0.002,demo-default=0.002 --table at-2e-3.md  # at other rates
     .venv/bin/python benchmarks/parity.py corpora                    # the corpora's sizes and digests here
@@ -32,7 +33,9 @@ compare.py unless ``--warmup-steps`` says otherwise: one warm-up per ``--out`` f
 against each stored cell's) on the tuning corpus, at each of ``--seeds``; the best rate of a method is the one with
 the lowest final validation loss there, the mean over the seeds (a rate run at fewer of the method's
 seeds than the others is listed but not chosen). A sweep adds its cells to those of an earlier one in
-the same folder (same corpus, size, world size and length), so seeds and rates can be added later.
+the same folder (same corpus, size, world size, length and clipping), so seeds and rates can be added later.
+``--gradient-clip-val`` clips every method's gradients (compare.py's flag; under DeMo each worker's own
+gradient before its momentum): its cells end in ``_clip<value>``, and a folder holds one clipping.
 ``render`` writes ``<out>/sweep.md`` (the sweep, every rate) and ``<out>/latest.md``: per corpus,
 size and world size, each method's validation loss over the seeds (mean and min-max), its ratio to
 DDP's at the same seed (mean and min-max), its bytes ratio to DDP, and the geometric mean of the loss ratio over every cell, with the issue's targets
@@ -66,11 +69,13 @@ DEFAULT_WARMUP = 20  # compare.py's --warmup-steps
 
 
 def cell_name(corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int = 520,
-              options: tuple[str, ...] = ()) -> str:
-    """The cell's folder name; ``options`` (compare.py ``--option KEY=VALUE``) add ``+KEY-VALUE`` to the method."""
+              options: tuple[str, ...] = (), clip: float | None = None) -> str:
+    """The cell's folder name; ``options`` (compare.py ``--option KEY=VALUE``) add ``+KEY-VALUE`` to the method,
+    gradient clipping (compare.py ``--gradient-clip-val``) ``_clip<value>`` at the end."""
     safe = corpus.replace("/", "_").replace(".", "_") if corpus not in ("stdlib", "prose", "cpp") else corpus
     tag = "".join(f"+{o.replace('=', '-')}" for o in options)
-    return f"{safe}_{size}_s{seed}_w{world}_{method}{tag}_lr{lr:g}_t{steps}"
+    clipped = f"_clip{clip:g}" if clip is not None else ""
+    return f"{safe}_{size}_s{seed}_w{world}_{method}{tag}_lr{lr:g}_t{steps}{clipped}"
 
 
 def label_of(method: str, options: tuple[str, ...] | list[str] = ()) -> str:
@@ -107,14 +112,16 @@ def stored_warmup(meta: dict[str, Any]) -> int:
 
 
 def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: str, lr: float, steps: int,
-             options: tuple[str, ...] = (), warmup: int = DEFAULT_WARMUP) -> dict[str, Any]:
+             options: tuple[str, ...] = (), warmup: int = DEFAULT_WARMUP, clip: float | None = None) -> dict[str, Any]:
     """One compare.py run (or its stored result); ``options`` are compare.py's ``--option`` settings
     (DDP takes none: its cell is the same with or without them); ``warmup`` the learning-rate warm-up's
     steps, passed on only when it is not compare.py's default, so the stored commands of earlier cells
     stay what they were. A folder holds one warm-up: a stored cell made with another is an error, not a
-    result (the cell's name does not carry it; give such runs their own ``--out``)."""
+    result (the cell's name does not carry it; give such runs their own ``--out``). ``clip``: every
+    method's gradient clipping (compare.py ``--gradient-clip-val``, passed on only when given; the
+    cell's name ends in ``_clip<value>``; :func:`check_clipping` keeps a folder to one clipping)."""
     options = () if method == "ddp" else tuple(options)
-    folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps, options)
+    folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps, options, clip)
     done = folder / "latest.json"
     if done.exists():
         ran = stored_warmup(json.loads(done.read_text())["meta"])
@@ -128,7 +135,8 @@ def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: s
                "--corpus", corpus, "--seed", str(seed), *model, "--lr", f"{lr:g}",
                "--steps", str(steps), "--val-every", str(steps), "--out", _in_repo(folder), "--workdir", "runs/parity",
                "--no-plots", *(x for o in options for x in ("--option", o)),
-               *(("--warmup-steps", str(warmup)) if warmup != DEFAULT_WARMUP else ())]
+               *(("--warmup-steps", str(warmup)) if warmup != DEFAULT_WARMUP else ()),
+               *(("--gradient-clip-val", f"{clip:g}") if clip is not None else ())]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
     record = json.loads(done.read_text())["records"][0]
@@ -169,18 +177,33 @@ def best_rates(out: Path) -> dict[str, float]:
     return best
 
 
+def check_clipping(out: Path, clip: float | None) -> None:
+    """Refuse, before anything trains, to add cells of one gradient clipping to a folder that holds another's:
+    a folder's tables compare runs that trained alike (as with its one warm-up)."""
+    if not (out / "cells").is_dir():
+        return
+    found = {c["clip"] for c in _cells(out)} - {clip}
+    if found:
+        raise SystemExit(f"{out} holds cells run with --gradient-clip-val {sorted(map(str, found))}, not {clip}: "
+                         f"give each clipping its own --out folder")
+
+
 def sweep(args: argparse.Namespace) -> None:
     """Every method at every rate and seed; the cells join those of an earlier sweep in the same folder on the
     same corpus, size, world size and length (a later sweep can add seeds or rates without re-running)."""
     out = Path(args.out)
     seeds = [int(x) for x in args.seeds.split(",")]
-    cells = [run_cell(out, args.corpus, args.size, seed, args.world, m, lr, args.steps, warmup=args.warmup_steps)
+    clip = args.gradient_clip_val
+    check_clipping(out, clip)
+    cells = [run_cell(out, args.corpus, args.size, seed, args.world, m, lr, args.steps, warmup=args.warmup_steps, clip=clip)
              for m in args.methods.split(",") for lr in (float(x) for x in args.lrs.split(",")) for seed in seeds]
-    setting = {"corpus": args.corpus, "size": args.size, "world": args.world, "steps": args.steps}
+    # a clipped sweep names its clipping, so it never joins an unclipped one (whose sweep.json has no such key)
+    setting = {"corpus": args.corpus, "size": args.size, "world": args.world, "steps": args.steps,
+               **({"gradient_clip_val": clip} if clip is not None else {})}
     path = out / "sweep.json"
     if path.exists():
         earlier = json.loads(path.read_text())
-        if all(earlier.get(k) == v for k, v in setting.items()):
+        if all(earlier.get(k) == v for k, v in setting.items()) and earlier.get("gradient_clip_val") == clip:
             new = {(c["method"], c["lr"], c["seed"]) for c in cells}
             kept = [{**c, "seed": int(c.get("seed", earlier.get("seed", 0)))} for c in earlier["cells"]]
             cells = [c for c in kept if (c["method"], c["lr"], c["seed"]) not in new] + cells
@@ -197,6 +220,7 @@ def run(args: argparse.Namespace) -> None:
     swept = best_rates(out) if (out / "sweep.json").exists() or not (given or kept) else {}
     rates = {**swept, **kept, **given}
     methods = args.methods.split(",")
+    check_clipping(out, args.gradient_clip_val)
     missing = [m for m in methods if m not in rates]
     if missing:
         raise SystemExit(f"no learning rate for {missing}: sweep them, or give --lr {missing[0]}=RATE")
@@ -212,7 +236,7 @@ def run(args: argparse.Namespace) -> None:
                 for seed in (int(s) for s in args.seeds.split(",")):
                     for m in methods:
                         run_cell(out, corpus, size, seed, world, m, rates[m], args.steps, tuple(args.option or ()),
-                                 args.warmup_steps)
+                                 args.warmup_steps, args.gradient_clip_val)
     render(args)
 
 
@@ -227,6 +251,7 @@ def _cells(out: Path) -> list[dict[str, Any]]:
                       "options": options, "lr": meta.get("lr"), "steps": meta["steps"],
                       "loss": record["final_val_loss"], "bytes": record["bytes_sent_per_step"],
                       "ratio": record.get("steady_ratio_vs_ddp") or record["ratio_vs_ddp"], "command": meta["command"],
+                      "clip": meta.get("gradient_clip_val"),
                       # cells from before compare.py recorded the coding name it in their options when they set it
                       "elias_fano": record.get("position_format") == "elias_fano" or "position_format=elias_fano" in options})
     return found
@@ -272,7 +297,8 @@ def render(args: argparse.Namespace) -> None:
         seeds = sorted({seed for by_rate in losses.values() for by_seed in by_rate.values() for seed in by_seed})
         several = len(seeds) > 1
         lines = [f"# Learning-rate sweep: corpus {sw['corpus']}, size {sw['size']}, "
-                 f"seed{'s' if several else ''} {', '.join(map(str, seeds))}, {sw['world']} workers, {sw['steps']} steps", ""]
+                 f"seed{'s' if several else ''} {', '.join(map(str, seeds))}, {sw['world']} workers, {sw['steps']} steps"
+                 + (f", gradients clipped at {sw['gradient_clip_val']:g}" if sw.get("gradient_clip_val") is not None else ""), ""]
         if several:
             lines += ["Best: the lowest mean over the method's seeds, among the rates run at all of them.", ""]
         head = ["method", "lr", *(f"seed {x}" for x in seeds)] if several else ["method", "lr", "val loss"]
@@ -289,6 +315,11 @@ def render(args: argparse.Namespace) -> None:
                 lines.append("| " + " | ".join(row) + " |")
         (out / "sweep.md").write_text("\n".join(lines) + "\n")
     cells = _cells(out)
+    clips = {c["clip"] for c in cells}
+    if len(clips) > 1:  # a row's seeds must have trained alike: one clipping per folder, as one warm-up
+        raise SystemExit(f"render: {out} mixes cells run with gradient clipping {sorted(map(str, clips))}; "
+                         f"give each clipping its own --out folder")
+    clip = next(iter(clips), None)
     given = getattr(args, "rates", "")  # render --rates: a table at other rates than the chosen ones
     if given:
         try:
@@ -317,7 +348,8 @@ def render(args: argparse.Namespace) -> None:
     title = f"the rates given to `render --rates {given}`" if given else "each method's rate (the sweep's best, or given to `run --lr`)"
     table = [f"# Loss parity at {title}", "",
              f"Validation loss (nats per byte) after {' or '.join(map(str, lengths))} steps, mean over seeds (min-max); "
-             "ratio = loss / DDP's at the same seed.", "",
+             "ratio = loss / DDP's at the same seed."
+             + (f" Every method clipped its gradients' norm at {clip:g} (`--gradient-clip-val`)." if clip is not None else ""), "",
              "| corpus | size | W | method | lr | seeds | val loss | vs DDP | bytes vs DDP | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     log_ratios: dict[str, dict[int, list[float]]] = {}  # target -> world size -> the held-out runs' log ratios
     variants: dict[str, dict[tuple, float]] = {}  # rows with no target: their log ratios by (corpus, size, W, steps, seed)
@@ -477,9 +509,14 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--steps", type=int, default=520)
         q.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP,
                        help="every run's learning-rate warm-up (compare.py's --warmup-steps); one per --out folder")
+        q.add_argument("--gradient-clip-val", type=float, default=None,
+                       help="every method's gradient clipping (compare.py's --gradient-clip-val); cells named _clip<value>")
     for q in (s, r, d):
         q.add_argument("--out", default=str(OUT), help="results folder")
     args = p.parse_args(argv)
+    clip = getattr(args, "gradient_clip_val", None)
+    if clip is not None and not clip > 0:
+        p.error(f"--gradient-clip-val must be > 0 (leave it out for no clipping), got {clip}")
     if args.stage == "sweep":
         sweep(args)
     elif args.stage == "corpora":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -338,6 +339,59 @@ def test_a_warm_up_is_passed_on_and_a_folder_holds_one(tmp_path: Path, monkeypat
     # a cell stored before compare.py recorded the warm-up: read from its command
     assert parity.stored_warmup({"command": "python benchmarks/compare.py --warmup-steps 160 --seed 0"}) == 160
     assert parity.stored_warmup({"command": "python benchmarks/compare.py --seed 0"}) == 20
+
+
+def test_gradient_clipping_is_passed_on_named_in_the_cells_and_kept_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--gradient-clip-val`` reaches compare.py and names its cells ``_clip<value>``; an unclipped run passes
+    nothing; a folder holds one clipping (a clipped sweep or run into an unclipped folder, or into one holding a cell
+    whose record disagrees with its name, stops before it trains), and render refuses a folder that mixes them."""
+    launched: list[list[str]] = []
+    losses = {"0.001": 2.0, "0.002": 1.9}
+
+    def fake_run(cmd: list[str], **_: object) -> None:
+        launched.append(cmd)
+        folder = Path(cmd[cmd.index("--out") + 1])
+        folder.mkdir(parents=True)
+        clip = float(cmd[cmd.index("--gradient-clip-val") + 1]) if "--gradient-clip-val" in cmd else None
+        lr = cmd[cmd.index("--lr") + 1]
+        meta = {"command": " ".join(cmd[1:]), "corpus": "stdlib", "seed": 0, "lr": float(lr), "d_model": 128, "n_layer": 2,
+                "steps": 10, "gradient_clip_val": clip}
+        record = {"method": "ddp", "world_size": 2, "final_val_loss": losses[lr], "bytes_sent_per_step": 1.0,
+                  "ratio_vs_ddp": 1.0, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1.0, "n_trainable": 1}
+        (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+
+    monkeypatch.setattr(parity.subprocess, "run", fake_run)
+    sweep = ["sweep", "--methods", "ddp", "--steps", "10", "--out", str(tmp_path)]
+    parity.main([*sweep, "--lrs", "1e-3"])
+    assert "--gradient-clip-val" not in launched[0] and Path(launched[0][launched[0].index("--out") + 1]).name.endswith("_t10")
+    for stage in (["sweep", "--lrs", "2e-3"], ["run", "--corpora", "prose", "--lr", "ddp=0.002"]):
+        with pytest.raises(SystemExit, match=r"holds cells run with --gradient-clip-val \['None'\], not 1.0"):
+            parity.main([*stage, "--methods", "ddp", "--steps", "10", "--out", str(tmp_path), "--gradient-clip-val", "1.0"])
+    assert len(launched) == 1
+    clipped = tmp_path / "clipped"
+    parity.main([*sweep[:-1], str(clipped), "--lrs", "1e-3,2e-3", "--gradient-clip-val", "1"])
+    assert launched[1][launched[1].index("--gradient-clip-val") + 1] == "1"
+    assert Path(launched[2][launched[2].index("--out") + 1]).name == "stdlib_small_s0_w2_ddp_lr0.002_t10_clip1"
+    assert json.loads((clipped / "sweep.json").read_text())["gradient_clip_val"] == 1.0
+    assert parity.cell_name("stdlib", "small", 0, 2, "ddp", 2e-3, 10, clip=0.5).endswith("_t10_clip0.5")
+    # a clipped folder renders and says so
+    assert "gradients clipped at 1" in (clipped / "sweep.md").read_text()
+    assert "Every method clipped its gradients' norm at 1 (`--gradient-clip-val`)." in (clipped / "latest.md").read_text()
+    assert parity.best_rates(clipped) == {"ddp": 2e-3}
+    # a stored cell whose record disagrees with its name is not reused: the folder then holds another clipping
+    done = clipped / "cells" / "stdlib_small_s0_w2_ddp_lr0.001_t10_clip1" / "latest.json"
+    saved = json.loads(done.read_text())
+    saved["meta"]["gradient_clip_val"] = None
+    done.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match=r"clipped holds cells run with --gradient-clip-val \['None'\], not 1.0"):
+        parity.main([*sweep[:-1], str(clipped), "--lrs", "1e-3", "--gradient-clip-val", "1"])
+    # render refuses a folder that mixes clippings (an unclipped cell put there by hand)
+    shutil.copytree(next((tmp_path / "cells").iterdir()), clipped / "cells" / "stdlib_small_s0_w2_ddp_lr0.001_t10")
+    with pytest.raises(SystemExit, match="mixes cells run with gradient clipping"):
+        parity.render(type("Args", (), {"out": str(clipped)})())
+    with pytest.raises(SystemExit) as info:
+        parity.main([*sweep, "--lrs", "1e-3", "--gradient-clip-val", "0"])
+    assert info.value.code == 2  # argparse's usage error: --gradient-clip-val must be > 0
 
 
 def test_render_marks_the_byte_ratios_of_cells_that_coded_positions_with_elias_fano(tmp_path: Path) -> None:
