@@ -190,7 +190,7 @@ def check_clipping(out: Path, clip: float | None) -> None:
 
 def sweep(args: argparse.Namespace) -> None:
     """Every method at every rate and seed; the cells join those of an earlier sweep in the same folder on the
-    same corpus, size, world size and length (a later sweep can add seeds or rates without re-running)."""
+    same corpus, size, world size, length and clipping (a later sweep can add seeds or rates without re-running)."""
     out = Path(args.out)
     seeds = [int(x) for x in args.seeds.split(",")]
     clip = args.gradient_clip_val
