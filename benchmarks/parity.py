@@ -197,18 +197,18 @@ def sweep(args: argparse.Namespace) -> None:
     check_clipping(out, clip)
     cells = [run_cell(out, args.corpus, args.size, seed, args.world, m, lr, args.steps, warmup=args.warmup_steps, clip=clip)
              for m in args.methods.split(",") for lr in (float(x) for x in args.lrs.split(",")) for seed in seeds]
-    # a clipped sweep names its clipping, so it never joins an unclipped one (whose sweep.json has no such key)
-    setting = {"corpus": args.corpus, "size": args.size, "world": args.world, "steps": args.steps,
-               **({"gradient_clip_val": clip} if clip is not None else {})}
+    setting = {"corpus": args.corpus, "size": args.size, "world": args.world, "steps": args.steps}
     path = out / "sweep.json"
     if path.exists():
         earlier = json.loads(path.read_text())
+        # a clipped sweep.json names its clipping, an unclipped one has no such key: neither joins the other
         if all(earlier.get(k) == v for k, v in setting.items()) and earlier.get("gradient_clip_val") == clip:
             new = {(c["method"], c["lr"], c["seed"]) for c in cells}
             kept = [{**c, "seed": int(c.get("seed", earlier.get("seed", 0)))} for c in earlier["cells"]]
             cells = [c for c in kept if (c["method"], c["lr"], c["seed"]) not in new] + cells
     every_seed = sorted({c["seed"] for c in cells})
-    path.write_text(json.dumps({**setting, "seeds": every_seed, "cells": cells}, indent=1))
+    clipping = {"gradient_clip_val": clip} if clip is not None else {}
+    path.write_text(json.dumps({**setting, **clipping, "seeds": every_seed, "cells": cells}, indent=1))
     render(args)
 
 
