@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--gradient-clip-val", type=float, default=None,
+                   help="clip each worker's gradient norm (Lightning's gradient_clip_val; under demo before the exchange). "
+                        "Default: no clipping; 1.0 steadies DDP + AdamW and lowers both methods' loss (README, issue 18)")
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--keep-ratio", type=float, default=None)
     p.add_argument("--chunk", type=int, default=64)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         val_check_interval=args.val_check_interval, check_val_every_n_epoch=None, limit_val_batches=1.0,
         logger=TensorBoardLogger(args.log_dir, name=name), callbacks=[timer],
         enable_checkpointing=False, log_every_n_steps=10, enable_model_summary=False,
-        enable_progress_bar=not args.no_progress_bar,
+        enable_progress_bar=not args.no_progress_bar, gradient_clip_val=args.gradient_clip_val,
     )
     trainer.fit(model, datamodule=data)
     val_loss = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val/loss"])
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = timer.seconds[1:] or timer.seconds
     step_time = sum(steps) / max(1, len(steps))
     summary: dict[str, Any] = {
-        "strategy": args.strategy, "optimizer": optimizer, "lr": lr, "world_size": world, "steps": trainer.global_step,
+        "strategy": args.strategy, "optimizer": optimizer, "lr": lr, "gradient_clip_val": args.gradient_clip_val,
+        "world_size": world, "steps": trainer.global_step,
         "n_trainable": n_trainable, "final_val_loss": val_loss, "step_time_s": step_time,
         "ddp_bytes_per_step": ddp_bytes,
     }
