@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import math
 import os
@@ -314,7 +315,8 @@ for _name, _method in list(METHODS.items()):
         METHODS[_name] = replace(_method, options={**_pinned, **_method.options})
 METHODS["demo-default"] = Method(
     "DeMo, strategy=\"demo\"'s defaults: k by workers (64 at 2, 32 at 4) after an early phase of 256 a tile (40 steps at 2 "
-    "workers, 20 at 4), 1-bit signs, 1-D tensors and those under 1,024 elements dense in bf16, SGD",
+    "workers, 20 at 4), 1-bit signs, 1-D tensors and those under 1,024 elements dense in bf16, each worker's gradient "
+    "clipped at norm 1.0, SGD",
     "demo", "sgd", DEMO_LR,
 )
 # the early phase of the screens below, as they were measured (issue 18): 4x the default k for 40 exchanges (128 a tile at 4
@@ -358,6 +360,21 @@ METHODS["demo-sign-signum-b0.9"] = Method(
 for _name, _method in list(METHODS.items()):
     if _name != "demo-default" and (_method.kind == "demo" or _method.options.get("compress_params")):
         METHODS[_name] = replace(_method, options={"position_format": "packed", **_method.options})
+# issue 18 made DeMo clip each worker's gradient at norm 1.0 by default (clip_grad_norm="auto": off when the Trainer's
+# gradient_clip_val is set). Every DeMo row but "demo-default" keeps the unclipped exchange it was measured with, so its
+# stored cells re-run as they were; "demo-default" cells stored before the change ran unclipped (their latest.json has
+# no "demo_clip_grad_norm_default"), and with --gradient-clip-val both revisions run the same clipped exchange
+for _name, _method in list(METHODS.items()):
+    if _name != "demo-default" and _method.kind == "demo":
+        METHODS[_name] = replace(_method, options={"clip_grad_norm": None, **_method.options})
+
+
+def _demo_clip_default() -> Any:
+    """The norm ``strategy="demo"`` clips each worker's gradient at when the Trainer does not (``None``: a revision
+    before that default, whose DeMo exchange never clipped on its own)."""
+    import demo_lightning.algorithms.demo as demo_module
+
+    return getattr(demo_module, "DEFAULT_CLIP_GRAD_NORM", None)
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -412,7 +429,10 @@ def _strategy(method: Method, timeout: float) -> Any:
 
         return DDPStrategy(process_group_backend="gloo", start_method="popen")
     if method.kind == "demo":
-        return demo_lightning.DeMoStrategy(timeout=timeout, **method.options)
+        options = dict(method.options)
+        if options.get("clip_grad_norm", "auto") is None and "clip_grad_norm" not in inspect.signature(demo_lightning.DeMoStrategy).parameters:
+            del options["clip_grad_norm"]  # a revision from before the setting (exchange_share.py --against): it never clipped
+        return demo_lightning.DeMoStrategy(timeout=timeout, **options)
     return demo_lightning.DesLocStrategy(timeout=timeout, **method.options)
 
 
@@ -1019,6 +1039,7 @@ def main(argv: list[str] | None = None) -> None:
             "block_size": args.block_size, "batch_size": args.batch_size, "seed": args.seed, "corpus": args.corpus, "lr": args.lr,
             "warmup_steps": args.warmup_steps, "schedule_steps": args.schedule_steps, "min_lr_ratio": args.min_lr_ratio, "weight_decay": args.weight_decay,
             "gradient_clip_val": args.gradient_clip_val, "options": args.option,
+            "demo_clip_grad_norm_default": _demo_clip_default(),
             "corpus_digest": _corpus_digest(args),
             "bandwidths": [float(b) for b in args.bandwidths.split(",")], "latency_ms": args.latency_ms,
             "wall_s": time.perf_counter() - start,

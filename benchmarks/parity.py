@@ -124,10 +124,15 @@ def run_cell(out: Path, corpus: str, size: str, seed: int, world: int, method: s
     folder = out / "cells" / cell_name(corpus, size, seed, world, method, lr, steps, options, clip)
     done = folder / "latest.json"
     if done.exists():
-        ran = stored_warmup(json.loads(done.read_text())["meta"])
+        meta = json.loads(done.read_text())["meta"]
+        ran = stored_warmup(meta)
         if ran != warmup:
             raise SystemExit(f"{folder} ran with --warmup-steps {ran}, not {warmup}: give runs at another warm-up "
                              f"their own --out folder")
+        if method == "demo-default" and clip is None and meta.get("demo_clip_grad_norm_default") is None:
+            raise SystemExit(f"{folder} ran strategy=\"demo\"'s defaults from before they clipped each worker's gradient "
+                             f"(clip_grad_norm); today's default is another run: give it its own --out folder, or "
+                             f"--gradient-clip-val, under which both revisions run the same exchange")
     else:
         model = ["--batch-size", str(DIGITS_BATCH)] if corpus == DIGITS else ["--d-model", str(SIZES[size][0]), "--n-layer", str(SIZES[size][1])]
         # paths relative to the repository (the command runs there): the cell's record names a command anyone can rerun
@@ -255,6 +260,33 @@ def _cells(out: Path) -> list[dict[str, Any]]:
                       # cells from before compare.py recorded the coding name it in their options when they set it
                       "elias_fano": record.get("position_format") == "elias_fano" or "position_format=elias_fano" in options})
     return found
+
+
+def clipping(folders: list[Path], method: str) -> list[dict[str, Any]]:
+    """Every ``method`` cell run both without gradient clipping and with it, at the same corpus, size,
+    seed, workers, rate, steps and warm-up, across the result ``folders``: the two final validation
+    losses (the first folder, in the order given, that holds a setting supplies it). Printed one per
+    line with the count of cells clipping lowered, so the README's "at the same rate clipping lowered
+    DeMo's loss in N of M cells" is one command."""
+    runs: dict[tuple[Any, ...], dict[str, float]] = {}
+    for folder in folders:
+        for done in sorted((folder / "cells").glob("*/latest.json")):
+            saved = json.loads(done.read_text())
+            meta, record = saved["meta"], saved["records"][0]
+            if record["method"] != method or record.get("options"):
+                continue
+            key = (meta.get("corpus", "stdlib"), _size_of(meta), int(meta["seed"]), int(record["world_size"]),
+                   float(meta["lr"]), int(meta["steps"]), stored_warmup(meta))
+            clip = meta.get("gradient_clip_val")
+            runs.setdefault(key, {}).setdefault("none" if clip is None else f"{clip:g}", float(record["final_val_loss"]))
+    pairs = []
+    for key, losses in sorted(runs.items()):
+        for clip in sorted(k for k in losses if k != "none"):
+            if "none" in losses:
+                corpus, size, seed, world, lr, steps, warmup = key
+                pairs.append({"corpus": corpus, "size": size, "seed": seed, "world": world, "lr": lr, "steps": steps,
+                              "warmup": warmup, "clip": clip, "unclipped": losses["none"], "clipped": losses[clip]})
+    return pairs
 
 
 def _size_of(meta: dict[str, Any]) -> str:
@@ -496,6 +528,10 @@ def main(argv: list[str] | None = None) -> None:
                         "(render lists these cells under the other rates)")
     r.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
                    help="compare.py's --option for every method but ddp (repeatable); the cells are named with it")
+    k = sub.add_parser("clipping", help="every cell run with and without gradient clipping at the same settings: both losses")
+    k.add_argument("folders", nargs="*", help="result folders (default: every folder under benchmarks/results/parity "
+                                               "but archive-*, whose cells ran a default since replaced)")
+    k.add_argument("--method", default="demo-default")
     c = sub.add_parser("corpora", help="every named corpus's documents, bytes and digest on this machine")
     c.add_argument("--max-bytes", type=int, default=4_000_000)
     d = sub.add_parser("render", help="tables from the cells run so far")
@@ -521,6 +557,16 @@ def main(argv: list[str] | None = None) -> None:
         sweep(args)
     elif args.stage == "corpora":
         corpora(args.max_bytes)
+    elif args.stage == "clipping":
+        # archive-*: cells of a default since replaced, kept for the README's history
+        folders = [Path(f) for f in args.folders] or sorted(d for d in OUT.iterdir() if (d / "cells").is_dir()
+                                                             and not d.name.startswith("archive"))
+        pairs = clipping(folders, args.method)
+        for r in pairs:
+            print(f"{r['corpus']:7} {r['size']:6} W{r['world']} s{r['seed']} lr {r['lr']:g} t{r['steps']} warm-up {r['warmup']}: "
+                  f"unclipped {r['unclipped']:.4f}, clipped at {r['clip']} {r['clipped']:.4f} ({r['clipped'] - r['unclipped']:+.4f})")
+        lower = sum(r["clipped"] < r["unclipped"] for r in pairs)
+        print(f"{args.method}: clipping lowered the validation loss in {lower} of {len(pairs)} cells")
     elif args.stage == "curves":
         if args.window < 1:
             p.error(f"--window must be >= 1, got {args.window}")

@@ -19,6 +19,7 @@ with ``B`` buckets of ``W`` ranks)::
     guard/nonfinite                  the guard's flags and its all-gather (NonFiniteGuard)
     demo/exchange                    one whole DeMoExchange.step (plan check, ledger, everything below)
       demo/node                      node hierarchy only: the intra-node mean, then the share broadcast
+      demo/clip                      the worker's (node's) gradient clipped (DeMoConfig.clip_grad_norm)
       demo/encode                    momentum update (dense and DCT), selection
         demo/encode/transform        M <- decay M + DCT(g), every compressed tensor (one range)
         demo/encode/select           top-k / low-pass of every family (one range); under
@@ -72,6 +73,7 @@ import torch
 __all__ = [
     "CODEC",
     "DEMO",
+    "DEMO_CLIP",
     "DEMO_DECODE",
     "DEMO_ENCODE",
     "DEMO_EXCHANGE",
@@ -156,6 +158,7 @@ CODEC = StageNames("codec")
 GUARD_NONFINITE = "guard/nonfinite"
 DEMO_EXCHANGE = "demo/exchange"
 DEMO_NODE = "demo/node"
+DEMO_CLIP = "demo/clip"
 DEMO_ENCODE, DEMO_TRANSPORT, DEMO_DECODE = DEMO.encode, DEMO.transport, DEMO.decode
 DESLOC_CLIP = "desloc/clip"
 DESLOC_SYNC = "desloc/sync"

@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--gradient-clip-val", type=float, default=None,
                    help="clip each worker's gradient norm (Lightning's gradient_clip_val; under demo before the exchange). "
-                        "Default: no clipping; 1.0 steadies DDP + AdamW and lowers both methods' loss (README, issue 18)")
+                        "Default: none for ddp and desloc, 1.0 for demo (its own default, clip_grad_norm='auto'); "
+                        "1.0 steadies DDP + AdamW and lowers both methods' loss (README, issue 18)")
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--keep-ratio", type=float, default=None)
     p.add_argument("--chunk", type=int, default=64)

@@ -1,5 +1,5 @@
 """Oracles shared by the settings that change what each worker's momentum is fed
-(``compensation``, ``gradient_ema``): parameters and gradients (a compressed tensor whose sides do
+(``compensation``, ``gradient_ema``, ``clip_grad_norm``): parameters and gradients (a compressed tensor whose sides do
 not tile exactly, and two dense ones), an exchange with one setting, and the checks that such a
 setting does what the plain exchange does on the transformed gradients and that its state resumes
 bitwise."""
@@ -28,7 +28,9 @@ def make_grads(steps: int) -> list[Grads]:
 
 
 def exchange_with(params: list[nn.Parameter], **setting: Any) -> DeMoExchange:
-    """An exchange over ``params`` (fp32 values, the raw update) with ``setting`` (e.g. ``compensation=0.3``)."""
+    """An exchange over ``params`` (fp32 values, the raw update, no clipping unless ``setting`` gives
+    ``clip_grad_norm``) with ``setting`` (e.g. ``compensation=0.3``)."""
+    setting = {"clip_grad_norm": None, **setting}
     config = DeMoConfig(CodecConfig(chunk=16, topk=12, value_format="fp32", dense_below=80), update="raw", **setting)
     return DeMoExchange(torch.optim.SGD(params, lr=0.1), config)
 
@@ -99,3 +101,14 @@ def assert_off_keeps_nothing(setting: dict[str, Any], key: str) -> None:
     assert key in on.state_dict()
     on.clear_state()
     assert key not in on.state_dict()
+
+
+def unclipped(*args: Any, **settings: Any) -> DeMoConfig:
+    """``DeMoConfig(*args, **settings)`` without the default clipping (``clip_grad_norm=None``): for the
+    oracles of the exchange's math on the gradient it is given (the clip has its own, test_default_clip.py)."""
+    return DeMoConfig(*args, **{"clip_grad_norm": None, **settings})
+
+
+def unclipped_of(**settings: Any) -> DeMoConfig:
+    """``DeMoConfig.of(**settings)`` without the default clipping (see :func:`unclipped`)."""
+    return DeMoConfig.of(**{"clip_grad_norm": None, **settings})

@@ -153,6 +153,9 @@ ROWS = [
     Row("demo-early_topk_factor", lambda _: DeMoStrategy(early_topk_factor=0), ValueError, r"early_topk_factor", r"1 switches it off"),
     Row("demo-retain_sent", lambda _: DeMoStrategy(retain_sent=1.0), ValueError, r"retain_sent", r"\[0, 1\).*takes it all out"),
     Row("demo-gradient_ema", lambda _: DeMoStrategy(gradient_ema=1.0), ValueError, r"gradient_ema", r"\[0, 1\).*Signum's 0.9"),
+    Row("demo-clip_grad_norm", lambda _: DeMoStrategy(clip_grad_norm=0.0), ValueError, r"clip_grad_norm", r"None switches it off"),
+    Row("demo-clip_grad_norm-word", lambda _: DeMoStrategy(clip_grad_norm="on"), ValueError, r"clip_grad_norm",  # type: ignore[arg-type]
+        r"None \(off\) or 'auto'"),
     Row("demo-bucket_cap_mb", lambda _: DeMoStrategy(bucket_cap_mb=0), ValueError, r"bucket_cap_mb", r"must be > 0"),
     Row("demo-param_sync_every", lambda _: DeMoStrategy(param_sync_every=0), ValueError, r"param_sync_every", r"integer period >= 1"),
     Row("demo-state_sync_every-type", lambda _: DeMoStrategy(state_sync_every=[4]), ValueError, r"state_sync_every", r"e\.g\. \{'exp_avg': 48"),

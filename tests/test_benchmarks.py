@@ -209,12 +209,14 @@ def test_compare_option_lays_settings_over_a_method_and_reaches_the_workers() ->
     base = compare.METHODS["demo-sign1bit"]
     got = compare.with_options(base, ["topk=256", "decay=0.999", "transform=haar"])
     # demo-sign1bit is the default before issue 18: no early phase, norms in fp32, dense under 4,096 elements only
-    # (compare.PREVIOUS_DEFAULTS), positions at the fixed width
-    pinned = {"position_format": "packed", "early_steps": 0, "dense_format": "fp32", "dense_below": 4096, "dense_vectors": False}
+    # (compare.PREVIOUS_DEFAULTS), positions at the fixed width, no clipping of its own
+    pinned = {"clip_grad_norm": None, "position_format": "packed", "early_steps": 0, "dense_format": "fp32", "dense_below": 4096,
+              "dense_vectors": False}
     assert got.options == {**pinned, "value_format": "sign", "topk": 256, "decay": 0.999, "transform": "haar"}
     assert got.kind == base.kind and got.lr == base.lr and got.optimizer == base.optimizer
     assert "topk=256" in got.description and base.options == {**pinned, "value_format": "sign"}  # unchanged
     assert compare.with_options(compare.METHODS["ddp"], ["topk=256"]) is compare.METHODS["ddp"]  # Lightning's DDP: none of ours
+    assert "clip_grad_norm" not in compare.METHODS["demo-default"].options  # today's default: it clips (issue 18)
     assert compare.with_options(base, None) is base
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         compare.with_options(base, ["topk"])

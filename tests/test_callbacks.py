@@ -20,13 +20,14 @@ import scipy.fft
 import torch
 from torch import nn
 
-from demo_lightning.algorithms import DeMoConfig, DeMoExchange, TensorSettings
+from demo_lightning.algorithms import DeMoExchange, TensorSettings
 from demo_lightning.callbacks import AdaptiveKeepRatio, LayerPolicy, LayerRule, Schedule, layer_kinds
 from demo_lightning.callbacks.communication_monitor import modeled_seconds
 from demo_lightning.comm import ByteLedger
 
 from callback_run import STEPS, callback_classes
 from dist_helpers import clean_env, free_port
+from exchange_inputs import unclipped_of
 
 HERE = Path(__file__).parent
 
@@ -98,7 +99,7 @@ def test_energy_captured_and_curve_match_a_scipy_dct() -> None:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(64, 128, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=32, topk=10, decay=0.5, update="raw", dense_below=0, dense_vectors=False, value_format="fp32"))
+    exchange = DeMoExchange(opt, unclipped_of(chunk=32, topk=10, decay=0.5, update="raw", dense_below=0, dense_vectors=False, value_format="fp32"))
     weight.grad = torch.randn_like(weight)
     momentum = weight.grad.numpy().copy()  # decay * 0 + g
     exchange.request_energy_curve()
@@ -125,7 +126,7 @@ def test_energy_captured_and_curve_match_a_scipy_dct() -> None:
 def test_per_tensor_settings_change_decay_k_and_bytes() -> None:
     a, b = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([a, b], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(topk=8, dense_below=0, dense_vectors=False, decay=0.9, update="raw"))
+    exchange = DeMoExchange(opt, unclipped_of(topk=8, dense_below=0, dense_vectors=False, decay=0.9, update="raw"))
     base = exchange.payload_bytes(a)
     exchange.set_tensor_settings(b, TensorSettings(decay=0.0, topk=32))
     assert exchange.payload_bytes(b) > base and exchange.k_of(b) == 32 and exchange.k_of(a) == 8

@@ -17,6 +17,8 @@ from demo_lightning.comm import Communicator
 from demo_lightning.comm.topology import NodeTopology
 from demo_lightning.planning import modeled_collectives
 
+from exchange_inputs import unclipped_of
+
 from dist_helpers import run_workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,7 +46,7 @@ def test_bad_dense_format_names_the_argument() -> None:
 def test_bf16_sends_the_rounded_momentum_and_keeps_the_rest_as_residual() -> None:
     """Oracle, one worker: ``m <- decay * r + g``, ``q = bf16(m)``, ``r <- m - q``, in float64 by hand."""
     bias = nn.Parameter(torch.zeros(300, dtype=torch.float64))
-    ex = DeMoExchange(torch.optim.SGD([bias], lr=1.0), DeMoConfig.of(update="raw", decay=0.9), Communicator())
+    ex = DeMoExchange(torch.optim.SGD([bias], lr=1.0), unclipped_of(update="raw", decay=0.9), Communicator())
     gen = torch.Generator().manual_seed(0)
     residual = torch.zeros(300, dtype=torch.float64)
     for _ in range(4):
@@ -70,7 +72,7 @@ def test_compressed_mean_returns_what_bf16_sent_for_the_callers_error_feedback()
 
 def _dense_steps(rank: int, world: int, fmt: str) -> dict[str, Any]:
     bias = nn.Parameter(torch.zeros(500))
-    ex = DeMoExchange(torch.optim.SGD([bias], lr=1.0), DeMoConfig.of(update="raw", dense_format=fmt), Communicator())
+    ex = DeMoExchange(torch.optim.SGD([bias], lr=1.0), unclipped_of(update="raw", dense_format=fmt), Communicator())
     gen = torch.Generator().manual_seed(rank)
     out: dict[str, Any] = {"sent": [], "grad": [], "momentum": [], "g": []}
     for _ in range(2):

@@ -14,6 +14,8 @@ from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange
 from demo_lightning.algorithms.config import TensorCodec
 from demo_lightning.comm import Communicator
 
+from exchange_inputs import unclipped_of
+
 pytestmark = pytest.mark.timeout(120)
 
 OLD_RULE = {"dense_below": 4096, "dense_vectors": False}
@@ -65,7 +67,7 @@ def test_a_resnets_plan_keeps_only_its_norms_biases_and_stem_dense() -> None:
     names = {p: n for n, p in model.named_parameters()}
     dense = {names[p] for p in params if ex.k_of(p) == 0}
     assert dense == {n for n, p in model.named_parameters() if p.dim() == 1} | {"conv1.0.weight"}
-    old = DeMoExchange(torch.optim.SGD(params, lr=0.1), DeMoConfig.of(**OLD_RULE), Communicator())
+    old = DeMoExchange(torch.optim.SGD(params, lr=0.1), unclipped_of(**OLD_RULE), Communicator())
     newly_compressed = {names[p] for p in params if old.k_of(p) == 0} - dense
     assert newly_compressed == {"layer1.0.downsample.1.weight", "layer2.0.downsample.1.weight", "fc.weight"}
     dense_elements = sum(p.numel() for p in params if ex.k_of(p) == 0)
@@ -79,7 +81,7 @@ def test_a_wide_vector_gets_its_gradient_as_ddp_would() -> None:
     g = torch.randn(6000, generator=gen)
     for settings, exact in (({}, True), (OLD_RULE, False)):
         vec = nn.Parameter(torch.zeros(6000))
-        ex = DeMoExchange(torch.optim.SGD([vec], lr=1.0), DeMoConfig.of(update="raw", decay=0.9, dense_format="fp32", **settings),
+        ex = DeMoExchange(torch.optim.SGD([vec], lr=1.0), unclipped_of(update="raw", decay=0.9, dense_format="fp32", **settings),
                           Communicator())
         vec.grad = g.clone()
         stats = ex.step()
@@ -93,13 +95,13 @@ def test_a_checkpoint_of_the_old_rule_resumes_with_its_momentum() -> None:
     under the defaults: each momentum comes back (re-laid out at the next step), the exchange goes on."""
     torch.manual_seed(0)
     conv, vec = nn.Parameter(torch.randn(32, 64, 1, 1)), nn.Parameter(torch.randn(5000))
-    old = DeMoExchange(torch.optim.SGD([conv, vec], lr=0.01), DeMoConfig.of(update="raw", **OLD_RULE), Communicator())
+    old = DeMoExchange(torch.optim.SGD([conv, vec], lr=0.01), unclipped_of(update="raw", **OLD_RULE), Communicator())
     for _ in range(3):
         conv.grad, vec.grad = torch.randn_like(conv), torch.randn_like(vec)
         old.step()
     before = {"conv": old.momentum(conv), "vec": old.momentum(vec)}
     assert float(before["vec"].abs().max()) > 0  # the compressed vector kept a residual
-    new = DeMoExchange(torch.optim.SGD([conv, vec], lr=0.01), DeMoConfig.of(update="raw"), Communicator())
+    new = DeMoExchange(torch.optim.SGD([conv, vec], lr=0.01), unclipped_of(update="raw"), Communicator())
     new.load_state_dict(old.state_dict())
     assert torch.allclose(new.momentum(conv), before["conv"], atol=1e-6)
     assert torch.allclose(new.momentum(vec), before["vec"], atol=1e-6)

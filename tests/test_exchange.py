@@ -10,6 +10,8 @@ from torch import nn
 
 from demo_lightning.algorithms import DeMoConfig, DeMoExchange
 
+from exchange_inputs import unclipped_of
+
 
 def _direct_step(m: np.ndarray, g: np.ndarray, decay: float, chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The paper's step for one 2-D tensor whose sides are multiples of ``chunk``, written out with numpy/scipy.
@@ -34,7 +36,7 @@ def test_world_size_one_equals_direct_computation() -> None:
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(128, 192, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0, dense_vectors=False, value_format="bf16"))
+    exchange = DeMoExchange(opt, unclipped_of(chunk=64, topk=16, decay=0.9, update="raw", dense_below=0, dense_vectors=False, value_format="bf16"))
     m = np.zeros((128, 192))
     for _ in range(3):
         g = torch.randn_like(weight)
@@ -45,7 +47,7 @@ def test_world_size_one_equals_direct_computation() -> None:
         np.testing.assert_allclose(exchange.momentum(weight).numpy(), m, atol=1e-9)
     # the sign rule writes sign(Q)
     sign_opt = torch.optim.SGD([weight], lr=0.1)
-    DeMoExchange(sign_opt, DeMoConfig.of(chunk=64, topk=16, decay=0.9, update="sign", dense_below=0, dense_vectors=False)).step()
+    DeMoExchange(sign_opt, unclipped_of(chunk=64, topk=16, decay=0.9, update="sign", dense_below=0, dense_vectors=False)).step()
     assert set(torch.unique(weight.grad).tolist()) <= {-1.0, 0.0, 1.0}
 
 
@@ -56,8 +58,8 @@ def test_normalized_update_is_the_shared_direction_over_its_rms() -> None:
     raw_params = [nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
     norm_params = [nn.Parameter(p.detach().clone()) for p in raw_params]
     settings = dict(chunk=32, topk=6, decay=0.9, dense_below=0)
-    raw = DeMoExchange(torch.optim.SGD(raw_params, lr=0.1), DeMoConfig.of(update="raw", **settings))
-    norm = DeMoExchange(torch.optim.SGD(norm_params, lr=0.1), DeMoConfig.of(update="normalized", **settings))
+    raw = DeMoExchange(torch.optim.SGD(raw_params, lr=0.1), unclipped_of(update="raw", **settings))
+    norm = DeMoExchange(torch.optim.SGD(norm_params, lr=0.1), unclipped_of(update="normalized", **settings))
     for _ in range(3):
         grads = [torch.randn(s, dtype=torch.float64) for s in shapes]
         for p, q, g in zip(raw_params, norm_params, grads):
@@ -70,7 +72,7 @@ def test_normalized_update_is_the_shared_direction_over_its_rms() -> None:
             assert abs(q.grad.pow(2).mean().item() - 1.0) < 1e-12
     # a zero direction stays zero (no division by zero)
     zero = nn.Parameter(torch.zeros(64, 64, dtype=torch.float64))
-    ex = DeMoExchange(torch.optim.SGD([zero], lr=0.1), DeMoConfig.of(update="normalized", **settings))
+    ex = DeMoExchange(torch.optim.SGD([zero], lr=0.1), unclipped_of(update="normalized", **settings))
     zero.grad = torch.zeros_like(zero)
     ex.step()
     assert torch.equal(zero.grad, torch.zeros_like(zero))
@@ -79,7 +81,7 @@ def test_normalized_update_is_the_shared_direction_over_its_rms() -> None:
 def test_dense_tensors_send_everything_in_fp32() -> None:  # bf16, the default: tests/test_dense_format.py
     bias = nn.Parameter(torch.zeros(10))
     opt = torch.optim.SGD([bias], lr=1.0)
-    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=100, dense_format="fp32"))
+    exchange = DeMoExchange(opt, unclipped_of(update="raw", dense_below=100, dense_format="fp32"))
     g = torch.randn(10)
     bias.grad = g.clone()
     stats = exchange.step()
@@ -96,7 +98,7 @@ def test_full_topk_raw_update_equals_plain_momentum_sgd_at_world_size_one() -> N
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
-    exchange = DeMoExchange(opt_a, DeMoConfig.of(keep_ratio=1.0, decay=0.0, update="raw", dense_below=0, dense_vectors=False, value_format="fp32"))
+    exchange = DeMoExchange(opt_a, unclipped_of(keep_ratio=1.0, decay=0.0, update="raw", dense_below=0, dense_vectors=False, value_format="fp32"))
     for _ in range(3):
         x = torch.randn(8, 70, dtype=torch.float64)
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -113,7 +115,7 @@ def test_full_topk_raw_update_equals_plain_momentum_sgd_at_world_size_one() -> N
 def test_adam_initialises_its_own_state_next_to_the_momentum() -> None:
     model = nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=100))
+    exchange = DeMoExchange(opt, unclipped_of(update="raw", dense_below=100))
     for _ in range(2):
         model(torch.randn(4, 64)).sum().backward()
         exchange.step()
@@ -128,7 +130,7 @@ def test_adam_initialises_its_own_state_next_to_the_momentum() -> None:
 def test_missing_grad_counts_as_zero_and_still_gets_the_update() -> None:
     used, unused = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64, 64))
     opt = torch.optim.SGD([used, unused], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(update="raw", dense_below=0, dense_vectors=False))
+    exchange = DeMoExchange(opt, unclipped_of(update="raw", dense_below=0, dense_vectors=False))
     used.grad = torch.randn(64, 64)
     exchange.step()
     assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(64, 64))
@@ -144,7 +146,7 @@ def test_frozen_and_tied_parameters_are_exchanged_once_or_not_at_all() -> None:
     params = list(nn.ModuleList([emb, head, frozen]).parameters())
     assert len(params) == 3  # tied weight deduplicated
     opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0, dense_vectors=False))
+    exchange = DeMoExchange(opt, unclipped_of(dense_below=0, dense_vectors=False))
     emb.weight.grad = torch.randn(100, 64)
     stats = exchange.step()
     assert stats.n_trainable == 6400
@@ -154,7 +156,7 @@ def test_frozen_and_tied_parameters_are_exchanged_once_or_not_at_all() -> None:
 def test_local_state_round_trip_and_shape_check() -> None:
     model = nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig.of(dense_below=0, dense_vectors=False))
+    exchange = DeMoExchange(opt, unclipped_of(dense_below=0, dense_vectors=False))
     model(torch.randn(2, 64)).sum().backward()
     exchange.step()
     before = [exchange.momentum(p) for p in model.parameters()]

@@ -24,7 +24,7 @@ from demo_lightning.strategies import DeMoStrategy
 
 from dist_helpers import run_workers
 from exchange_inputs import (SHAPES, Grads, assert_feeds, assert_off_keeps_nothing, assert_resumes_bitwise, exchange_with,
-                             make_grads, make_params, step_with)
+                             make_grads, make_params, step_with, unclipped_of)
 
 BETA = 0.9
 SETTING = {"gradient_ema": BETA}
@@ -63,7 +63,7 @@ WHOLE = {"keep_ratio": 1.0, "value_format": "fp32", "dense_below": 0, "dense_vec
 def _demo_worker(rank: int, world: int, beta: float) -> list[torch.Tensor]:
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    exchange = DeMoExchange(opt, DeMoConfig.of(**WHOLE, gradient_ema=beta), Communicator())
+    exchange = DeMoExchange(opt, unclipped_of(**WHOLE, gradient_ema=beta), Communicator())
     for step in range(STEPS):
         opt.zero_grad()
         _loss(model, _batch(step, rank)).backward()

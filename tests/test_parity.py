@@ -23,7 +23,7 @@ def _write_cell(out: Path, corpus: str, seed: int, world: int, method: str, lr: 
     folder = out / "cells" / parity.cell_name(corpus, "small", seed, world, method, lr, steps, options)
     folder.mkdir(parents=True)
     meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": corpus, "seed": seed, "lr": lr,
-            "d_model": 128, "n_layer": 2, "steps": steps}
+            "d_model": 128, "n_layer": 2, "steps": steps, "demo_clip_grad_norm_default": 1.0}  # as compare.py records today
     record = {"method": method, "world_size": world, "final_val_loss": loss, "bytes_sent_per_step": 1000.0 / ratio,
               "ratio_vs_ddp": ratio, "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1000.0, "n_trainable": 1,
               **({"options": list(options)} if options else {}),
@@ -439,3 +439,51 @@ def test_a_folder_with_only_the_tuning_corpus_says_it_has_no_held_out_mean(tmp_p
     table = (tmp_path / "latest.md").read_text()
     assert "| stdlib | small | 8 | demo-default | 0.001 | 1 | 2.2000 | 1.1000x | 100x | missed |" in table
     assert "left out:\n\n- none: no cell here is off the tuning corpus (stdlib)\n" in table
+
+
+def _clip_cell(out: Path, seed: int, method: str, lr: float, loss: float, clip: float | None,
+               clip_default: float | None = None) -> Path:
+    folder = out / "cells" / parity.cell_name("stdlib", "small", seed, 2, method, lr, 10, clip=clip)
+    folder.mkdir(parents=True)
+    meta = {"command": f"python benchmarks/compare.py --methods {method}", "corpus": "stdlib", "seed": seed, "lr": lr,
+            "d_model": 128, "n_layer": 2, "steps": 10, "gradient_clip_val": clip, "demo_clip_grad_norm_default": clip_default}
+    record = {"method": method, "world_size": 2, "final_val_loss": loss, "bytes_sent_per_step": 1.0, "ratio_vs_ddp": 1.0,
+              "steady_ratio_vs_ddp": None, "ddp_bytes_per_step": 1.0, "n_trainable": 1}
+    (folder / "latest.json").write_text(json.dumps({"meta": meta, "records": [record]}))
+    return folder
+
+
+def test_clipping_pairs_each_cell_run_both_ways_across_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``parity.py clipping`` pairs the unclipped and clipped runs of one setting, across folders, per method, and
+    counts where clipping lowered the loss; a setting run one way only, or another method, is left out."""
+    plain, clipped = tmp_path / "plain", tmp_path / "clipped"
+    _clip_cell(plain, 0, "demo-default", 2e-3, 2.0, None)
+    _clip_cell(plain, 1, "demo-default", 2e-3, 1.8, None)
+    _clip_cell(plain, 2, "demo-default", 2e-3, 1.7, None)  # never clipped: no pair
+    _clip_cell(plain, 0, "ddp", 2e-3, 1.5, None)
+    _clip_cell(clipped, 0, "demo-default", 2e-3, 1.9, 1.0)
+    _clip_cell(clipped, 1, "demo-default", 2e-3, 1.85, 1.0)
+    _clip_cell(clipped, 0, "demo-default", 3e-3, 1.6, 1.0)  # another rate: no pair
+    pairs = parity.clipping([plain, clipped], "demo-default")
+    assert [(p["seed"], p["unclipped"], p["clipped"], p["clip"]) for p in pairs] == [(0, 2.0, 1.9, "1"), (1, 1.8, 1.85, "1")]
+    assert parity.clipping([plain, clipped], "ddp") == []
+    parity.main(["clipping", str(plain), str(clipped)])
+    out = capsys.readouterr().out
+    assert "unclipped 2.0000, clipped at 1 1.9000 (-0.1000)" in out
+    assert out.strip().endswith("demo-default: clipping lowered the validation loss in 1 of 2 cells")
+
+
+def test_a_default_cell_from_before_the_default_clip_is_not_reused_unclipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unclipped ``demo-default`` cell stored by a revision whose exchange did not clip on its own is another run
+    than today's default: ``run`` stops instead of reusing it; a cell that records the default clip is reused, and so
+    is the old cell under ``--gradient-clip-val`` (where both revisions run the same exchange)."""
+    monkeypatch.setattr(parity.subprocess, "run", lambda *a, **k: pytest.fail("a stored cell was re-run"))
+    old = _clip_cell(tmp_path, 0, "demo-default", 2e-3, 2.0, None)
+    with pytest.raises(SystemExit, match="before they clipped each worker's gradient"):
+        parity.run_cell(tmp_path, "stdlib", "small", 0, 2, "demo-default", 2e-3, 10)
+    saved = json.loads((old / "latest.json").read_text())
+    saved["meta"]["demo_clip_grad_norm_default"] = 1.0
+    (old / "latest.json").write_text(json.dumps(saved))
+    assert parity.run_cell(tmp_path, "stdlib", "small", 0, 2, "demo-default", 2e-3, 10)["loss"] == 2.0
+    _clip_cell(tmp_path, 1, "demo-default", 2e-3, 1.9, 1.0)
+    assert parity.run_cell(tmp_path, "stdlib", "small", 1, 2, "demo-default", 2e-3, 10, clip=1.0)["loss"] == 1.9

@@ -26,6 +26,8 @@ from demo_lightning.algorithms.stages import build_plan
 from demo_lightning.codec import index_bits, pack_segment, pack_segments, unpack_segments
 from demo_lightning.comm import Communicator
 
+from exchange_inputs import unclipped_of
+
 from dist_helpers import run_workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -37,7 +39,7 @@ LEADER = {0: 0, 2: 0, 4: 4, 1: 1, 3: 1}
 
 
 def _config(group: int, value_format: str = "fp32") -> DeMoConfig:
-    return DeMoConfig.of(chunk=TILE, topk=K, value_format=value_format, dense_below=64, decay=DECAY, update="raw",
+    return unclipped_of(chunk=TILE, topk=K, value_format=value_format, dense_below=64, decay=DECAY, update="raw",
                          position_group_size=group, dense_format="fp32",  # the hand counts: the dense tensor in fp32,
                          position_format="packed")  # fixed-width positions (with Elias-Fano: tests/test_position_format.py)
 
@@ -203,7 +205,7 @@ def test_group_size_one_is_the_plain_exchange_bitwise() -> None:
             exchange.step()
         return [p.grad for p in params]
 
-    plain = DeMoConfig.of(chunk=TILE, topk=K, value_format="fp32", dense_below=64, decay=DECAY, update="raw", dense_format="fp32")
+    plain = unclipped_of(chunk=TILE, topk=K, value_format="fp32", dense_below=64, decay=DECAY, update="raw", dense_format="fp32")
     for a, b in zip(run(plain), run(_config(1))):
         assert torch.equal(a, b)
     # and a group changes what is sent (the negative control)
@@ -245,7 +247,7 @@ def test_on_the_bundled_gpt_groups_join_the_same_projection_of_consecutive_block
     assert block_role("0.weight") == "#.weight" and block_role("layer10x.w3") == "layer10x.w3"
     module = GPTLightningModule(block_size=64, d_model=64, n_layer=4, n_head=2, optimizer="sgd")
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    exchange = DeMoExchange(optimizer, DeMoConfig.of(chunk=TILE, position_group_size=2, update="raw"))
+    exchange = DeMoExchange(optimizer, unclipped_of(chunk=TILE, position_group_size=2, update="raw"))
     names = {p: n for n, p in module.named_parameters()}
     exchange.set_parameter_names(names)
     params = exchange.parameters()
@@ -267,7 +269,7 @@ def test_on_the_bundled_gpt_groups_join_the_same_projection_of_consecutive_block
     pos = next(n for n in names.values() if "pos" in n)
     assert groups.get(pos) == [pos]  # the position embedding shares with nobody
     # without the names, shape alone decides, and the same-shape tensors of different roles do group
-    unnamed = DeMoExchange(torch.optim.SGD(module.parameters(), lr=0.1), DeMoConfig.of(chunk=TILE, position_group_size=2, update="raw"))
+    unnamed = DeMoExchange(torch.optim.SGD(module.parameters(), lr=0.1), unclipped_of(chunk=TILE, position_group_size=2, update="raw"))
     unnamed.step()
     assert unnamed._momentum.plan is not None
     mixed = [item for item in unnamed._momentum.plan.tensors if item.shares_with is not None

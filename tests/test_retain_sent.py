@@ -16,6 +16,8 @@ from torch import nn
 
 from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange
 
+from exchange_inputs import unclipped
+
 DECAY = 0.9
 SHAPES = [(64, 96), (32, 32), (48,), (200,)]  # compressed (tiles exactly), compressed, dense vector, dense vector
 
@@ -25,7 +27,7 @@ def _run(rho: float, value_format: str = "fp32", dense_format: str = "fp32", ste
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(*s, generator=gen, dtype=torch.float64)) for s in SHAPES]
     codec = CodecConfig(chunk=32, topk=6, value_format=value_format, dense_format=dense_format)  # type: ignore[arg-type]
-    exchange = DeMoExchange(torch.optim.SGD(params, lr=0.1), DeMoConfig(codec, decay=DECAY, update="raw", retain_sent=rho))
+    exchange = DeMoExchange(torch.optim.SGD(params, lr=0.1), unclipped(codec, decay=DECAY, update="raw", retain_sent=rho))
     before = [torch.zeros_like(p) for p in params]
     updates = []
     for step in range(steps):
@@ -56,7 +58,7 @@ def test_a_component_sent_every_step_carries_a_momentum_of_decay_times_rho() -> 
     for rho in (0.0, 0.5):
         param = nn.Parameter(torch.zeros(8, dtype=torch.float64))
         codec = CodecConfig(dense_format="fp32")
-        exchange = DeMoExchange(torch.optim.SGD([param], lr=0.1), DeMoConfig(codec, decay=DECAY, update="raw", retain_sent=rho))
+        exchange = DeMoExchange(torch.optim.SGD([param], lr=0.1), unclipped(codec, decay=DECAY, update="raw", retain_sent=rho))
         g = torch.linspace(-1, 1, 8, dtype=torch.float64)
         for _ in range(200):
             param.grad = g.clone()

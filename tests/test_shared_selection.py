@@ -18,9 +18,11 @@ import torch
 from scipy.fft import dctn, idctn
 from torch import nn
 
-from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange
+from demo_lightning.algorithms import CodecConfig, DeMoExchange
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.comm import Communicator
+
+from exchange_inputs import unclipped_of
 
 from dist_helpers import run_workers
 
@@ -33,7 +35,7 @@ def _shared_steps(rank: int, world: int, value_format: str = "fp32") -> dict[str
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(SHAPE))
     opt = torch.optim.SGD([w], lr=0.0)  # the parameters do not matter here: the grads and residuals do
-    exchange = DeMoExchange(opt, DeMoConfig.of(selection="shared", value_format=value_format, topk=K, dense_below=0, dense_vectors=False,
+    exchange = DeMoExchange(opt, unclipped_of(selection="shared", value_format=value_format, topk=K, dense_below=0, dense_vectors=False,
                                                decay=DECAY, update="raw"), Communicator())
     out: dict[str, list] = {"grads": [], "residuals": [], "updates": []}
     for step in range(STEPS):
@@ -98,7 +100,7 @@ def test_one_worker_shared_equals_its_own_topk() -> None:
         torch.manual_seed(0)
         w = nn.Parameter(torch.randn(70, 130))
         opt = torch.optim.SGD([w], lr=0.1)
-        exchange = DeMoExchange(opt, DeMoConfig.of(selection=selection, value_format="fp32", topk=K, dense_below=0, dense_vectors=False))
+        exchange = DeMoExchange(opt, unclipped_of(selection=selection, value_format="fp32", topk=K, dense_below=0, dense_vectors=False))
         updates = []
         for step in range(3):
             w.grad = torch.randn(70, 130, generator=torch.Generator().manual_seed(step))

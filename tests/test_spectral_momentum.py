@@ -13,8 +13,10 @@ import scipy.fft
 import torch
 from torch import nn
 
-from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange, TensorSettings
+from demo_lightning.algorithms import CodecConfig, DeMoExchange, TensorSettings
 from demo_lightning.comm import Communicator
+
+from exchange_inputs import unclipped
 from tests.dist_helpers import run_workers, tensor_hash
 
 
@@ -67,7 +69,7 @@ def test_world_size_one_equals_the_coefficient_space_algorithm_written_out(shape
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(shape, dtype=torch.float64))
     opt = torch.optim.SGD([weight], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, dense_vectors=False), decay=0.9, update="raw"))
+    exchange = DeMoExchange(opt, unclipped(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, dense_vectors=False), decay=0.9, update="raw"))
     oracle = _CoefficientOracle(shape, 32, 5, 0.9)
     for _ in range(4):
         g = torch.randn(shape, dtype=torch.float64)
@@ -111,7 +113,7 @@ def test_retiling_on_chunk_and_dense_changes_keeps_each_momentum() -> None:
     exact = nn.Parameter(torch.randn(64, 64, dtype=torch.float64))
     padded = nn.Parameter(torch.randn(40, 72, dtype=torch.float64))
     opt = torch.optim.SGD([exact, padded], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_vectors=False, dense_format="fp32"),
+    exchange = DeMoExchange(opt, unclipped(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_vectors=False, dense_format="fp32"),
                                             decay=0.9, update="raw"))  # fp32: a dense tensor sends everything
 
     def step() -> None:
@@ -144,7 +146,7 @@ def _retile_on_every_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(72, 40), nn.Tanh(), nn.Linear(40, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=8, dense_below=100, dense_format="fp32")), Communicator())
+    exchange = DeMoExchange(opt, unclipped(CodecConfig(chunk=32, topk=8, dense_below=100, dense_format="fp32")), Communicator())
     schedule = {2: TensorSettings(chunk=16), 4: TensorSettings(dense=True), 5: TensorSettings(dense=False, topk=3), 6: None}
     params, momenta = [], []
     for step in range(steps):
@@ -173,7 +175,7 @@ def test_state_dict_round_trip_resumes_the_same_trajectory_bitwise() -> None:
         torch.manual_seed(2)
         model = nn.Linear(72, 40)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=4, dense_below=0, dense_vectors=False)))
+        exchange = DeMoExchange(opt, unclipped(CodecConfig(chunk=32, topk=4, dense_below=0, dense_vectors=False)))
         if state is not None:
             exchange.load_state_dict(state)
         grads = []

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from demo_lightning import DeMoFabricStrategy, DeMoStrategy, DesLocFabricStrategy, DesLocStrategy
-from demo_lightning.algorithms import CodecConfig, DeMoConfig, DeMoExchange, TensorSettings
+from demo_lightning.algorithms import CodecConfig, DeMoExchange, TensorSettings
 from demo_lightning.algorithms.compressed_mean import CompressedMean
 from demo_lightning.algorithms.stages import build_plan
 from demo_lightning.codec import (
@@ -33,6 +33,8 @@ from demo_lightning.codec import (
 )
 from demo_lightning.codec.transform import accumulate_spectrum, inverse_spectrum, tile_view
 from demo_lightning.comm import Communicator
+
+from exchange_inputs import unclipped, unclipped_of
 from dist_helpers import IdenticalWorkers, run_workers, tensor_hash
 
 pytestmark = pytest.mark.timeout(240)
@@ -295,7 +297,7 @@ def test_error_feedback_is_exact_coefficient_wise_for_every_transform(transform:
     params = [nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
     opt = torch.optim.SGD(params, lr=0.1)
     codec = CodecConfig(chunk=32, topk=5, selection=selection, value_format=value_format, dense_below=0, dense_vectors=False, transform=transform)  # type: ignore[arg-type]
-    exchange = DeMoExchange(opt, DeMoConfig(codec, decay=0.9, update="raw"), _Workers(world_size))  # type: ignore[arg-type]
+    exchange = DeMoExchange(opt, unclipped(codec, decay=0.9, update="raw"), _Workers(world_size))  # type: ignore[arg-type]
     layouts = [plan_tiles(s, 32) for s in shapes]
     old = [np.zeros((lay.padded_rows, lay.padded_cols)) for lay in layouts]
     for step in range(3):
@@ -330,7 +332,7 @@ def test_error_feedback_is_exact_coefficient_wise_for_every_transform(transform:
 def test_identity_momentum_is_the_gradient_with_the_sent_elements_taken_out_bitwise() -> None:
     w = nn.Parameter(torch.zeros(40, 72))
     opt = torch.optim.SGD([w], lr=0.1)
-    exchange = DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, dense_vectors=False, transform="identity"),
+    exchange = DeMoExchange(opt, unclipped(CodecConfig(chunk=32, topk=5, value_format="fp32", dense_below=0, dense_vectors=False, transform="identity"),
                                             decay=0.9, update="raw"))
     g = torch.randn(40, 72, generator=torch.Generator().manual_seed(3))
     w.grad = g.clone()
@@ -370,7 +372,7 @@ def test_compressed_mean_sends_the_inverse_of_the_top_k_of_the_transform(transfo
 # ---------------------------------------------------------------------------------------- checkpoints across transforms
 def _exchange(transform: str, w: nn.Parameter) -> DeMoExchange:
     opt = torch.optim.SGD([w], lr=0.1)
-    return DeMoExchange(opt, DeMoConfig(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_vectors=False, transform=transform),  # type: ignore[arg-type]
+    return DeMoExchange(opt, unclipped(CodecConfig(chunk=32, topk=6, value_format="fp32", dense_below=0, dense_vectors=False, transform=transform),  # type: ignore[arg-type]
                                         decay=0.9, update="raw"))
 
 
@@ -441,7 +443,7 @@ def _train(rank: int, world: int, steps: int, names: list[str]) -> dict[str, Any
         torch.manual_seed(0)
         model = _Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        exchange = DeMoExchange(opt, DeMoConfig.of(**DIST_CONFIGS[name]), Communicator())
+        exchange = DeMoExchange(opt, unclipped_of(**DIST_CONFIGS[name]), Communicator())
         params, momenta = [], []
         for step in range(steps):
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * step + rank))  # different data per rank

@@ -5,8 +5,9 @@ A thin Lightning layer over :class:`demo_lightning.algorithms.DeMoExchange` (see
 
 * at fit start, rank 0's parameters and buffers are broadcast (replicas start identical);
 * once per optimizer step (after the closure, i.e. after the last micro-batch of gradient
-  accumulation) Lightning's gradient clipping (``gradient_clip_val``) is applied to each worker's
-  own gradient, then every optimizer's exchange runs and writes the shared update into ``p.grad``;
+  accumulation) each worker's own gradient is clipped: by Lightning (``gradient_clip_val``) when
+  the Trainer sets it, else by the exchange at norm 1.0 (``clip_grad_norm="auto"``, issue 18); then
+  every optimizer's exchange runs and writes the shared update into ``p.grad``;
   then Lightning's ``on_before_optimizer_step`` hooks and the optimizer's own step follow (the
   shared update itself is never clipped: under ``update="sign"`` every parameter moves by ``lr``);
 * optionally (off by default) DES-LOC averaging of parameters and of optimizer-state keys (for

@@ -18,7 +18,9 @@ Trainer's strategies use: no second copy of the logic. What each Fabric call doe
   ``fabric.log_dict(fabric.strategy.metrics())`` logs it as the Trainer's strategies do;
 * ``fabric.clip_gradients(...)`` before ``optimizer.step()`` clips this worker's own gradient, before
   it enters the momentum (the shared update is never clipped); a NaN/inf norm does not raise on the
-  one rank (``error_if_nonfinite`` is not used): the guard then skips or raises on every rank;
+  one rank (``error_if_nonfinite`` is not used): the guard then skips or raises on every rank.
+  ``DeMoStrategy``'s own ``clip_grad_norm`` (``"auto"``: 1.0 here, since Fabric cannot tell whether
+  you clip) runs after it, inside the exchange: pass ``clip_grad_norm=None`` to clip only yourself;
 * ``fabric.no_backward_sync(model, enabled=...)`` (gradient accumulation): backward never
   synchronises here, so it is a no-op; the exchange runs once per ``optimizer.step()``;
 * ``fabric.save(path, state)``: rank 0 writes ``path`` (the model, rank 0's optimizer state, the rest

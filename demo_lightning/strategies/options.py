@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from demo_lightning.algorithms import DeMoConfig
 from demo_lightning.algorithms.config import CodecConfig, DenseFormat, ExchangeSelection, PositionFormatSetting
-from demo_lightning.algorithms.demo import Update
+from demo_lightning.algorithms.demo import DEFAULT_CLIP_GRAD_NORM, Update
 from demo_lightning.algorithms.desloc import DesLocConfig
 from demo_lightning.algorithms.guard import NonFinitePolicy
 from demo_lightning.codec import Selection, ValueFormat
@@ -150,6 +150,13 @@ class DeMoOptions(_Options):
             momentum (error feedback takes out ``(1 - rho)`` of it), so the components sent every step
             keep a momentum of their own; ``0`` (the default) is DeMo's error feedback. An issue 18
             ablation: at 4 workers it trained worse the larger ``rho`` (README).
+        clip_grad_norm: the total L2 norm each worker clips its own gradient to before it enters the
+            momentum (``torch.nn.utils.clip_grad_norm_``; ``None``: off). ``"auto"`` (the default):
+            1.0, unless the Trainer clips (``gradient_clip_val`` set), whose clipping then runs
+            alone, at the same point; under Fabric ``"auto"`` is 1.0 (pass ``None`` to clip only with
+            ``fabric.clip_gradients``). Chosen on issue 18's matrix: at the same learning rate it
+            lowered the default's validation loss in 44 of 46 cells and doubled its best rate on the
+            0.44 M GPT at 4 workers (README).
         dense_below: tensors with fewer elements skip the codec and are all-reduced whole (0: compress
             all but the 1-D tensors under ``dense_vectors``).
         dense_vectors: 1-D tensors (norms, biases) skip the codec whatever their size (``False``: only
@@ -203,6 +210,7 @@ class DeMoOptions(_Options):
         early_topk_factor: Optional[int] = None,
         retain_sent: float = 0.0,
         gradient_ema: float = 0.0,
+        clip_grad_norm: Union[float, None, Literal["auto"]] = "auto",
         dense_below: int = 1024,
         dense_vectors: bool = True,
         dense_format: DenseFormat = "bf16",
@@ -220,7 +228,12 @@ class DeMoOptions(_Options):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Union[Precision, FabricPrecision]] = None,
     ) -> None:
+        self._clip_follows_trainer = isinstance(clip_grad_norm, str) and clip_grad_norm == "auto"
+        if isinstance(clip_grad_norm, str) and not self._clip_follows_trainer:
+            raise ValueError(f"clip_grad_norm must be a positive number, None (off) or 'auto' (1.0 unless the Trainer "
+                             f"sets gradient_clip_val), got {clip_grad_norm!r}")
         demo = DeMoConfig.of(
+            clip_grad_norm=DEFAULT_CLIP_GRAD_NORM if self._clip_follows_trainer else clip_grad_norm,
             chunk=chunk, topk=topk, keep_ratio=keep_ratio, decay=decay, selection=selection, transform=transform,
             value_format=value_format, fp16_share=fp16_share, position_group_size=position_group_size,
             position_format=position_format, update=update,

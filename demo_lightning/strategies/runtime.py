@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, get_args
 
@@ -223,12 +224,14 @@ class CommunicationRuntime:
 
     def attach(self, optimizer: Optimizer, buffers: list[Tensor], owner: str,
                before_update: Optional[Callable[[Optimizer], None]] = None,
-               names: Optional[Mapping[Tensor, str]] = None) -> None:
+               names: Optional[Mapping[Tensor, str]] = None, front_end_clips: bool = False) -> None:
         """Drive ``optimizer``: a DeMo exchange and/or a DES-LOC averager (averaging ``buffers`` with
         the parameters), and their step participants. ``names``: the parameters' qualified names
         (position groups join the same role across blocks, :meth:`DeMoExchange.set_parameter_names`).
 
         ``before_update`` runs on this worker's own gradients before the exchange (under DeMo only).
+        ``front_end_clips``: it clips them (the Trainer's ``gradient_clip_val``), so the exchange's
+        own ``clip_grad_norm`` stays off.
 
         Raises:
             ValueError: ``optimizer`` is LBFGS (it evaluates the closure several times per step) or
@@ -250,7 +253,8 @@ class CommunicationRuntime:
                 message = warn_if_stateful(optimizer)
                 if message:
                     rank_zero_warn(message)
-            exchange = self._exchanges[id(optimizer)] = DeMoExchange(optimizer, self.demo_config, self.communicator, self.node_groups)
+            config = replace(self.demo_config, clip_grad_norm=None) if front_end_clips else self.demo_config
+            exchange = self._exchanges[id(optimizer)] = DeMoExchange(optimizer, config, self.communicator, self.node_groups)
             if names:
                 exchange.set_parameter_names(names)
         if self.desloc_config is not None:
