@@ -29,10 +29,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 ADAMW = ["--optimizer", "adamw", "--lr", "1e-3"]
 RUNS: dict[str, list[str]] = {
     "ddp (AdamW)": ["--strategy", "ddp", *ADAMW],
-    "demo (defaults: topk 64 after 40 steps at 256, sign values, Elias-Fano positions, norms in bf16, decay 0.99; SGD)": [
+    "demo (defaults: topk 64 after 40 steps at 256, sign values, Elias-Fano positions, norms in bf16, decay 0.99, gradients clipped at 1; SGD)": [
         "--strategy", "demo", "--optimizer", "sgd", "--lr", "1e-3",
     ],
-    "demo (paper: topk 32, fp32 values, decay 0.999, our Elias-Fano positions; SGD)": [
+    "demo (paper: topk 32, fp32 values, decay 0.999, our Elias-Fano positions and clip at 1; SGD)": [
         "--strategy", "demo", "--optimizer", "sgd", "--lr", "5e-4", "--topk", "32", "--value-format", "fp32", "--decay", "0.999",
     ],
     "desloc (K_x 256, K_u 768, K_v 1536; AdamW)": ["--strategy", "desloc", "--param-sync-every", "256", *ADAMW],
