@@ -430,7 +430,8 @@ def _strategy(method: Method, timeout: float) -> Any:
         return DDPStrategy(process_group_backend="gloo", start_method="popen")
     if method.kind == "demo":
         options = dict(method.options)
-        if options.get("clip_grad_norm", "auto") is None and "clip_grad_norm" not in inspect.signature(demo_lightning.DeMoStrategy).parameters:
+        known = inspect.signature(demo_lightning.DeMoStrategy).parameters
+        if options.get("clip_grad_norm", "auto") is None and "clip_grad_norm" not in known:
             del options["clip_grad_norm"]  # a revision from before the setting (exchange_share.py --against): it never clipped
         return demo_lightning.DeMoStrategy(timeout=timeout, **options)
     return demo_lightning.DesLocStrategy(timeout=timeout, **method.options)
