@@ -111,6 +111,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from demo_lightning.algorithms.clipping import clip_gradients
 from demo_lightning.algorithms.config import DEFAULT_TOPK, CodecConfig, TensorCodec, compute_dtype
 from demo_lightning.algorithms.momentum import SpectralMomentum
 from demo_lightning.algorithms.participants import StepContext
@@ -869,7 +870,7 @@ class DeMoExchange:
                         self._node_mean_gradients(every)
                 if self.config.clip_grad_norm is not None:
                     with stage_range(DEMO_CLIP):
-                        self._clip_gradients(every, self.config.clip_grad_norm)
+                        clip_gradients(every, self.config.clip_grad_norm)
                 if hierarchy is not None:
                     owners = self.owners(every)
                     params = [p for p, o in zip(every, owners) if o == hierarchy.local_rank]
@@ -889,14 +890,6 @@ class DeMoExchange:
         st.total_seconds += seconds
         st.total_comm_seconds += comm_seconds
         return st
-
-    @staticmethod
-    def _clip_gradients(params: list[Tensor], max_norm: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over the gradients ``params`` hold, in their order (the
-        order and call of Lightning's ``gradient_clip_val``, so the same clip gives the same bits)."""
-        held = [p for p in params if p.grad is not None]
-        if held:
-            torch.nn.utils.clip_grad_norm_(held, max_norm)
 
     def _exchange(self, params: list[Tensor]) -> None:
         """Encode, transport and decode ``params`` (this rank's share) over :attr:`group`."""

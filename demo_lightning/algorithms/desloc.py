@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from demo_lightning.algorithms.clipping import clip_gradients
 from demo_lightning.algorithms.compressed_mean import CompressedMean
 from demo_lightning.algorithms.config import CodecConfig, compute_dtype
 from demo_lightning.comm import Communicator
@@ -335,10 +336,8 @@ class DesLocAverager:
     def before_step(self) -> None:
         """Clip this worker's gradients (if ``clip_grad_norm`` is set)."""
         if self.config.clip_grad_norm is not None:
-            grads = [p for p in self.parameters() if p.grad is not None]
-            if grads:
-                with stage_range(DESLOC_CLIP):
-                    torch.nn.utils.clip_grad_norm_(grads, self.config.clip_grad_norm)
+            with stage_range(DESLOC_CLIP):
+                clip_gradients(self.parameters(), self.config.clip_grad_norm)
 
     def due(self, step: Optional[int] = None) -> list[str]:
         """Quantities averaged after local step ``step`` (default: the next one): ``q`` is due when

@@ -162,7 +162,7 @@ class CommunicationStrategy(CommunicationFront, DDPStrategy):
         module = self.lightning_module
         trainer_clips = module is not None and module._trainer is not None and bool(module.trainer.gradient_clip_val)
         # clip_grad_norm="auto": the Trainer's gradient_clip_val, when set, is the only clipping (at the same point)
-        front_end_clips = trainer_clips and getattr(self, "_clip_follows_trainer", False)
+        front_end_clips = trainer_clips and self._clip_follows_trainer
         for position, optimizer in enumerate(map(_unwrap, self.optimizers)):
             buffers = list(self.model.buffers()) if position == 0 else []
             self.runtime.attach(optimizer, buffers, type(self).__name__, before_update=self._clip_local_gradients,

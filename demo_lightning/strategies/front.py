@@ -32,6 +32,9 @@ class CommunicationFront:
     strategy_description: str = ""
     runtime: CommunicationRuntime
     """This process's exchanges, averagers, ledger, topology and per-rank state."""
+    _clip_follows_trainer: bool = False
+    """DeMo's ``clip_grad_norm="auto"``: the exchange's own clip steps aside when the Trainer clips
+    (``gradient_clip_val``); set by ``DeMoOptions``."""
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
